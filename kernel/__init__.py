@@ -1,0 +1,1 @@
+"""The snapshot kernel: registry of states, worker processes, namespace, outputs."""

@@ -1,0 +1,1 @@
+"""The durable state store: LMDB blobs and manifests, serializer, alias groups."""

@@ -1,0 +1,207 @@
+"""Serialize alias groups of notebook variables to bytes and back.
+
+The C pickler (protocol 5, through cloudpickle's `reducer_override`) comes
+first; dill is the fallback for a group it cannot handle. Functions whose
+globals are the notebook namespace are stored by value *without* their
+globals and are rebound on load to the namespace they are loaded into, so a
+restored `f` reads the restored globals. Large contiguous buffers travel out
+of band, so each becomes a blob of its own and an unchanged column is never
+stored twice. A numpy view is stored as a view of its base, so `b = a[:2]`
+still writes through to `a` after a restore.
+"""
+
+import hashlib
+import io
+import pickle
+import sys
+import types
+
+import cloudpickle
+from cloudpickle import cloudpickle as _cp
+
+PROTOCOL = 5
+
+# The namespace loaded functions are bound to; set by `loading_into`.
+_target_globals = {"__builtins__": __builtins__}
+
+
+class Unpicklable(Exception):
+    """Neither pickler can serialize a value (it becomes volatile)."""
+
+
+def _make_function(code, name, ncells):
+    """Create a cell-defined function bound to the namespace being loaded.
+
+    Closure cells start empty and are filled by `_set_function_state`, so a
+    function that refers to itself through its closure can be rebuilt.
+    """
+    closure = tuple(types.CellType() for _ in range(ncells)) or None
+    return types.FunctionType(code, _target_globals, name, None, closure)
+
+
+def _set_function_state(func, state):
+    """Fill a function made by `_make_function` (the pickle state setter)."""
+    cells, defaults, kwdefaults, qualname, module, doc, annotations, attrs = state
+    for cell, value in zip(func.__closure__ or (), cells):
+        if value is not _EMPTY:
+            cell.cell_contents = value
+    func.__defaults__ = defaults
+    func.__kwdefaults__ = kwdefaults
+    func.__qualname__ = qualname
+    func.__module__ = module
+    func.__doc__ = doc
+    func.__annotations__ = annotations
+    func.__dict__.update(attrs)
+    return func
+
+
+class _Empty:
+    """Marker of an empty closure cell."""
+
+    def __reduce__(self):
+        """Pickle as the module-level singleton."""
+        return "_EMPTY"
+
+
+_EMPTY = _Empty()
+
+
+def _make_view(base, offset, shape, strides, dtype):
+    """Rebuild a numpy view of `base` (which is shared through the pickle memo)."""
+    import numpy
+    return numpy.ndarray(shape, dtype, buffer=base, offset=offset, strides=strides)
+
+
+class _GroupPickler(cloudpickle.Pickler):
+    """cloudpickle's C pickler, binding cell functions to the loading namespace."""
+
+    def __init__(self, file, namespace, class_tag, buffer_callback):
+        """Pickle into `file`; `namespace` is the dict cell functions use as globals."""
+        super().__init__(file, protocol=PROTOCOL, buffer_callback=buffer_callback)
+        self._namespace = namespace
+        self._class_tag = class_tag
+        self._ndarray = getattr(sys.modules.get("numpy"), "ndarray", None)
+
+    def reducer_override(self, obj):
+        """Reduce cell functions, notebook classes and numpy views our way."""
+        if isinstance(obj, types.FunctionType) and obj.__globals__ is self._namespace:
+            cells = tuple(_cell_value(c) for c in obj.__closure__ or ())
+            state = (cells, obj.__defaults__, obj.__kwdefaults__, obj.__qualname__,
+                     obj.__module__, obj.__doc__, obj.__annotations__, dict(obj.__dict__))
+            return (_make_function, (obj.__code__, obj.__name__, len(cells)),
+                    state, None, None, _set_function_state)
+        if isinstance(obj, type) and obj.__module__ == "__main__":
+            _track_class(obj, self._class_tag)
+        elif self._ndarray is not None and type(obj) is self._ndarray:
+            view = _view_reduce(obj, self._ndarray)
+            if view is not None:
+                return view
+        return super().reducer_override(obj)
+
+
+def _cell_value(cell):
+    """The contents of a closure cell, or the empty marker."""
+    try:
+        return cell.cell_contents
+    except ValueError:
+        return _EMPTY
+
+
+def _track_class(cls, tag):
+    """Give a notebook class a tracker id that is the same run after run.
+
+    cloudpickle keys the identity of a class pickled by value on this id, so
+    every group holding instances of `cls` restores to one class object. A
+    random id (cloudpickle's default) would change the fingerprints of equal
+    values each time a notebook is re-run.
+    """
+    with _cp._DYNAMIC_CLASS_TRACKER_LOCK:
+        if cls in _cp._DYNAMIC_CLASS_TRACKER_BY_CLASS:
+            return
+        digest = hashlib.sha256(f"{cls.__qualname__}\0{tag}".encode()).hexdigest()[:32]
+        _cp._DYNAMIC_CLASS_TRACKER_BY_CLASS[cls] = digest
+        _cp._DYNAMIC_CLASS_TRACKER_BY_ID.setdefault(digest, cls)
+
+
+def _view_reduce(arr, ndarray):
+    """Reduce a numpy view to (base, offset, shape, strides, dtype), or None."""
+    base = arr.base
+    if not isinstance(base, ndarray):
+        return None
+    while isinstance(base.base, ndarray):
+        base = base.base
+    if not base.flags.c_contiguous or arr.dtype.hasobject or base.dtype.hasobject:
+        return None
+    offset = arr.__array_interface__["data"][0] - base.__array_interface__["data"][0]
+    if offset < 0 or offset > base.nbytes:
+        return None
+    return (_make_view, (base, offset, arr.shape, arr.strides, arr.dtype))
+
+
+class Pickled:
+    """One serialized group: pickle bytes, out-of-band buffers, which pickler."""
+
+    __slots__ = ("payload", "buffers", "pickler")
+
+    def __init__(self, payload, buffers, pickler):
+        """Hold the pieces; `buffers` are contiguous memoryviews."""
+        self.payload = payload
+        self.buffers = buffers
+        self.pickler = pickler
+
+
+def dumps(values, namespace, class_tag="", min_buffer=65536):
+    """Serialize a list of values under one memo (sharing inside survives).
+
+    Raises Unpicklable when neither the C pickler nor dill can do it.
+    """
+    buffers = []
+
+    def keep(pb):
+        """Send big contiguous buffers out of band; keep small ones in band."""
+        try:
+            raw = pb.raw()
+        except BufferError:
+            return True
+        if raw.nbytes < min_buffer:
+            return True
+        buffers.append(raw)
+        return False
+
+    out = io.BytesIO()
+    try:
+        _GroupPickler(out, namespace, class_tag, keep).dump(values)
+        return Pickled(out.getvalue(), buffers, "c")
+    except Exception as first:
+        try:
+            import dill
+            return Pickled(dill.dumps(values, protocol=PROTOCOL, recurse=True), [], "dill")
+        except Exception:
+            raise Unpicklable(f"{type(first).__name__}: {first}") from None
+
+
+class loading_into:
+    """Context in which loaded cell functions get `namespace` as their globals."""
+
+    def __init__(self, namespace):
+        """Remember the target namespace."""
+        self.namespace = namespace
+
+    def __enter__(self):
+        """Point the function factory at the target namespace."""
+        global _target_globals
+        self.saved, _target_globals = _target_globals, self.namespace
+        return self
+
+    def __exit__(self, *exc):
+        """Restore the previous target."""
+        global _target_globals
+        _target_globals = self.saved
+
+
+def loads(payload, buffers, pickler):
+    """Deserialize a list of values (call inside `loading_into`)."""
+    if pickler == "dill":
+        import dill
+        return dill.loads(payload)
+    return pickle.loads(payload, buffers=buffers)

@@ -1,0 +1,212 @@
+"""Turn a namespace into a state manifest and back, incrementally.
+
+Saving re-pickles only the dirty names (those a cell touched, with the
+rest of their alias groups); every other group keeps its blob keys from
+the parent manifest. Loading fills a namespace from a manifest's groups,
+one group at a time, so a restore can load what a cell needs first.
+"""
+
+import datetime
+import hashlib
+import importlib
+import sys
+import types
+import uuid
+
+from storage import serializer
+from storage.groups import alias_groups
+
+PYTHON = f"{sys.implementation.name}-{sys.version_info[0]}.{sys.version_info[1]}"
+
+
+def is_user_name(name):
+    """True for a notebook variable (not a dunder such as __builtins__)."""
+    return not (name.startswith("__") and name.endswith("__"))
+
+
+def short_repr(value, limit):
+    """A repr cut to `limit` characters, never raising."""
+    try:
+        text = repr(value)
+    except Exception as exc:
+        text = f"<repr failed: {type(exc).__name__}>"
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
+def type_name(value):
+    """The short type name shown for a variable."""
+    return type(value).__name__
+
+
+def new_manifest(name, parent=None, code="", execution_count=0, auto_named=False):
+    """An empty manifest for state `name` (its groups are filled by save_groups)."""
+    now = datetime.datetime.now(datetime.timezone.utc).isoformat()
+    return {
+        "name": name, "id": uuid.uuid4().hex, "created": now, "timestamp": now,
+        "parent": parent["name"] if parent else None,
+        "parent_id": parent["id"] if parent else None,
+        "code": code, "code_digest": hashlib.sha256(code.encode()).hexdigest(),
+        "execution_count": execution_count, "python": PYTHON, "auto_named": auto_named,
+        "groups": [], "variables": {}, "modules": {}, "volatile": {},
+    }
+
+
+def _sha(data):
+    """Hex SHA-256 of a bytes-like object."""
+    return hashlib.sha256(data).hexdigest()
+
+
+def _pickle_group(values, namespace, class_tag, min_buffer, records, store):
+    """Serialize one group; return its entry and add new blob records."""
+    pickled = serializer.dumps(values, namespace, class_tag, min_buffer)
+    key = _sha(pickled.payload)
+    buffer_keys = [_sha(b) for b in pickled.buffers]
+    new = store.missing([key, *buffer_keys]) - records.keys()
+    for k, data in zip([key, *buffer_keys], [pickled.payload, *pickled.buffers]):
+        if k in new:
+            records[k] = store.encode(data)
+    fingerprint = _sha("\0".join([pickled.pickler, key, *buffer_keys]).encode())
+    return {"key": key, "buffers": buffer_keys, "pickler": pickled.pickler,
+            "fingerprint": fingerprint}
+
+
+def save_groups(store, manifest, namespace, dirty, settings, class_tag=""):
+    """Group, pickle and hash the `dirty` names of `namespace` into `manifest`.
+
+    Returns the blob records to write. Values neither pickler can store
+    become volatile: listed in the manifest, kept live by the holder.
+    """
+    limit = settings.get("store.repr_max_chars", 200)
+    min_buffer = settings.get("store.buffer_blob_min_bytes", 65536)
+    records = {}
+    values = {}
+    for name in dirty:
+        value = namespace[name]
+        if isinstance(value, types.ModuleType):
+            manifest["modules"][name] = value.__name__
+            manifest["variables"][name] = {"type": "module", "repr": short_repr(value, limit)}
+        else:
+            values[name] = value
+    for members in alias_groups(values, namespace):
+        try:
+            entry = _pickle_group([values[m] for m in members], namespace, class_tag,
+                                  min_buffer, records, store)
+        except serializer.Unpicklable:
+            # Store what can be stored; the rest of the group becomes volatile.
+            for m in members:
+                try:
+                    single = _pickle_group([values[m]], namespace, class_tag,
+                                           min_buffer, records, store)
+                except serializer.Unpicklable as exc:
+                    manifest["volatile"][m] = {
+                        "type": type_name(values[m]), "repr": short_repr(values[m], limit),
+                        "code": manifest["code"], "state": manifest["name"],
+                        "reason": str(exc)[:300]}
+                    manifest["variables"][m] = {"type": type_name(values[m]),
+                                                "repr": short_repr(values[m], limit)}
+                    continue
+                single["members"] = [m]
+                single["hashes"] = {m: single["fingerprint"]}
+                manifest["groups"].append(single)
+                manifest["variables"][m] = {"type": type_name(values[m]),
+                                            "repr": short_repr(values[m], limit)}
+            continue
+        entry["members"] = members
+        if len(members) == 1:
+            entry["hashes"] = {members[0]: entry["fingerprint"]}
+        else:
+            entry["hashes"] = {m: _value_hash(values[m], namespace, class_tag, min_buffer)
+                               for m in members}
+        manifest["groups"].append(entry)
+        for m in members:
+            manifest["variables"][m] = {"type": type_name(values[m]),
+                                        "repr": short_repr(values[m], limit)}
+    return records
+
+
+def _value_hash(value, namespace, class_tag, min_buffer):
+    """The symbol hash of one value on its own (for members of larger groups)."""
+    pickled = serializer.dumps([value], namespace, class_tag, min_buffer)
+    parts = [pickled.pickler, _sha(pickled.payload), *(_sha(b) for b in pickled.buffers)]
+    return _sha("\0".join(parts).encode())
+
+
+def carry(manifest, parent, groups, module_names, volatile_names):
+    """Copy parent groups, module variables and volatile records unchanged."""
+    for group in groups:
+        manifest["groups"].append(group)
+        for m in group["members"]:
+            manifest["variables"][m] = parent["variables"][m]
+    for name in module_names:
+        manifest["modules"][name] = parent["modules"][name]
+        manifest["variables"][name] = parent["variables"][name]
+    for name in volatile_names:
+        manifest["volatile"][name] = parent["volatile"][name]
+        manifest["variables"][name] = parent["variables"][name]
+
+
+def symbol_hash(manifest, name):
+    """The stored hash of variable `name`, or None if the state lacks it."""
+    for group in manifest["groups"]:
+        if name in group["hashes"]:
+            return group["hashes"][name]
+    if name in manifest["modules"]:
+        return _sha(f"module\0{manifest['modules'][name]}".encode())
+    if name in manifest["volatile"]:
+        return None
+    return None
+
+
+class IncompatibleState(Exception):
+    """A state made by another Python version cannot be loaded here."""
+
+
+def check_compatible(manifest):
+    """Refuse a state pickled by another interpreter version."""
+    if manifest.get("python", PYTHON) != PYTHON and manifest["groups"]:
+        raise IncompatibleState(
+            f"state {manifest['name']!r} was made by {manifest['python']}; this server "
+            f"runs {PYTHON}, and pickled code is tied to the interpreter version. Run "
+            f"the server with {manifest['python']} or re-run the notebook from 'initial'")
+
+
+def load_group(store, group, namespace):
+    """Load one group's members into `namespace` (functions bound to it)."""
+    payload = store.blob(group["key"])
+    buffers = [store.blob(k) for k in group["buffers"]]
+    with serializer.loading_into(namespace):
+        values = serializer.loads(payload, buffers, group["pickler"])
+    namespace.update(zip(group["members"], values))
+
+
+def load_modules(manifest, namespace, names=None):
+    """Import the state's module variables (by reference)."""
+    for name, module in manifest["modules"].items():
+        if names is None or name in names:
+            namespace[name] = importlib.import_module(module)
+
+
+class ReplayFailed(Exception):
+    """Replaying the cell that made a volatile variable failed."""
+
+
+def replay_volatile(manifest, namespace, names=None):
+    """Recompute volatile variables by re-running the cells that made them.
+
+    Each cell runs in a shallow copy of the restored namespace and only its
+    volatile names are taken back.
+    """
+    by_code = {}
+    for name, record in manifest["volatile"].items():
+        if names is None or name in names:
+            by_code.setdefault(record["code"], []).append(name)
+    for code, wanted in by_code.items():
+        scratch = dict(namespace)
+        try:
+            exec(compile(code, f"<replay of {wanted[0]}>", "exec"), scratch)
+            namespace.update({n: scratch[n] for n in wanted})
+        except BaseException as exc:
+            raise ReplayFailed(
+                f"cannot recompute volatile variable(s) {', '.join(wanted)}: replaying "
+                f"the cell that made them ({code[:200]!r}) raised "
+                f"{type(exc).__name__}: {exc}") from None

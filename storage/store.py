@@ -1,0 +1,173 @@
+"""The LMDB store: content-addressed blobs and one manifest per named state.
+
+Named databases: `meta` (format version), `blobs` (SHA-256 of the
+uncompressed payload -> one flag byte + payload, zstd-compressed when that
+pays) and `states` (name -> JSON manifest). A state is written in one
+transaction, blobs before its manifest, so a crash leaves all of it or
+none. Any process may open the store, but an LMDB handle must not cross a
+fork: `Store.for_process` hands each process its own.
+"""
+
+import json
+import os
+
+import lmdb
+import zstandard
+
+FORMAT_VERSION = 1
+_RAW, _ZSTD = b"R", b"Z"
+
+
+class StoreError(Exception):
+    """The store cannot be used; the message names the path and what to do."""
+
+
+class StoreFull(Exception):
+    """The store reached max_store_gb; nothing already stored is harmed."""
+
+
+class Store:
+    """One LMDB environment holding blobs and state manifests."""
+
+    _per_process = {}
+
+    def __init__(self, path, max_store_gb=64, durability="sync", readonly=False,
+                 zstd_level=3):
+        """Open (creating if needed) the store at `path`; refuse a foreign one."""
+        self.path = path
+        self.readonly = readonly
+        self.zstd_level = zstd_level
+        sync = durability == "sync"
+        try:
+            if not readonly:
+                os.makedirs(path, exist_ok=True)
+            self.env = lmdb.open(path, map_size=int(max_store_gb * 2 ** 30), max_dbs=4,
+                                 sync=sync, metasync=sync, readonly=readonly,
+                                 readahead=False, create=not readonly, lock=True)
+            self.meta = self.env.open_db(b"meta", create=not readonly)
+            self.blobs = self.env.open_db(b"blobs", create=not readonly)
+            self.states = self.env.open_db(b"states", create=not readonly)
+        except lmdb.Error as exc:
+            raise StoreError(
+                f"cannot open the store at {path}: {exc}. If it is damaged, move the "
+                f"folder aside and start with an empty one (or restore a backup)") from None
+        self._check_format()
+
+    @classmethod
+    def for_process(cls, path, **options):
+        """The store handle of the calling process, opened on first use.
+
+        A handle inherited through fork is abandoned, never closed: closing
+        it in the child would release the parent's reader slots.
+        """
+        key = (os.getpid(), path)
+        store = cls._per_process.get(key)
+        if store is None:
+            store = cls._per_process[key] = cls(path, **options)
+        return store
+
+    def _check_format(self):
+        """Write the format record of a new store; refuse one of another format."""
+        with self.env.begin(db=self.meta, write=not self.readonly) as txn:
+            found = txn.get(b"format")
+            if found is None:
+                if self.readonly:
+                    raise StoreError(f"{self.path} holds no snapshot-kernel store")
+                txn.put(b"format", str(FORMAT_VERSION).encode())
+            elif found != str(FORMAT_VERSION).encode():
+                raise StoreError(
+                    f"the store at {self.path} has format {found.decode(errors='replace')}, "
+                    f"this server reads format {FORMAT_VERSION}; use a server of that "
+                    f"version or point --data-dir at another folder")
+
+    # Manifests ---------------------------------------------------------------
+
+    def manifest(self, name):
+        """The manifest of state `name`, or None."""
+        with self.env.begin(db=self.states) as txn:
+            raw = txn.get(name.encode())
+        return None if raw is None else json.loads(raw)
+
+    def manifests(self):
+        """Every manifest, {name: manifest}."""
+        with self.env.begin(db=self.states) as txn:
+            return {k.decode(): json.loads(v) for k, v in txn.cursor()}
+
+    def delete_states(self, names):
+        """Remove manifests (their blobs stay until garbage collection)."""
+        with self.env.begin(db=self.states, write=True) as txn:
+            for name in names:
+                txn.delete(name.encode())
+
+    def clear(self):
+        """Remove every state and blob."""
+        with self.env.begin(write=True) as txn:
+            txn.drop(self.states, delete=False)
+            txn.drop(self.blobs, delete=False)
+
+    # Blobs -------------------------------------------------------------------
+
+    def missing(self, keys):
+        """The subset of blob keys (hex) not yet in the store."""
+        with self.env.begin(db=self.blobs) as txn:
+            return {k for k in keys if txn.get(bytes.fromhex(k)) is None}
+
+    def encode(self, data):
+        """A blob record for `data`: compressed when that saves space."""
+        packed = zstandard.ZstdCompressor(level=self.zstd_level).compress(data)
+        if len(packed) < 0.95 * len(data):
+            return _ZSTD + packed
+        return _RAW + bytes(data)
+
+    def blob(self, key):
+        """The uncompressed payload of blob `key`, as a writable bytearray."""
+        with self.env.begin(db=self.blobs, buffers=True) as txn:
+            raw = txn.get(bytes.fromhex(key))
+            if raw is None:
+                raise StoreError(f"blob {key} is missing from the store at {self.path}; "
+                                 f"run scripts/check_store.py")
+            flag, body = bytes(raw[:1]), raw[1:]
+            if flag == _RAW:
+                return bytearray(body)
+            return bytearray(zstandard.ZstdDecompressor().decompress(
+                body, max_output_size=2 ** 40))
+
+    def put_state(self, name, manifest, records):
+        """Write `records` ({key: encoded blob}) then the manifest, atomically."""
+        try:
+            with self.env.begin(write=True) as txn:
+                for key, record in records.items():
+                    txn.put(bytes.fromhex(key), record, db=self.blobs, overwrite=False)
+                txn.put(name.encode(), json.dumps(manifest).encode(), db=self.states)
+        except lmdb.MapFullError:
+            raise StoreFull(f"the store at {self.path} is full (max_store_gb); delete "
+                            f"states and run scripts/gc_states.py, or raise the limit") from None
+
+    def blob_keys(self):
+        """Every blob key in the store (hex)."""
+        with self.env.begin(db=self.blobs, buffers=True) as txn:
+            return [bytes(k).hex() for k in txn.cursor().iternext(keys=True, values=False)]
+
+    def delete_blobs(self, keys):
+        """Remove blobs; returns the bytes freed (as stored)."""
+        freed = 0
+        with self.env.begin(db=self.blobs, write=True, buffers=True) as txn:
+            for key in keys:
+                raw = txn.get(bytes.fromhex(key))
+                if raw is not None:
+                    freed += len(raw)
+                    txn.delete(bytes.fromhex(key))
+        return freed
+
+    def sync(self):
+        """Flush to disk (used with durability = "async")."""
+        self.env.sync(True)
+
+
+def referenced_blobs(manifest):
+    """Every blob key a manifest refers to."""
+    keys = set()
+    for group in manifest.get("groups", []):
+        keys.add(group["key"])
+        keys.update(group["buffers"])
+    return keys
