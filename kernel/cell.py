@@ -1,0 +1,395 @@
+"""Compiling and running one notebook cell, with Jupyter's semantics.
+
+`compile_cell` turns a cell's source into code objects: IPython syntax
+(magics, `!cmd`) is transformed when IPython is installed, the last
+expression statement is split off so its value can be shown, and the source
+is registered in `linecache` under a file name unique to this execution so
+tracebacks show the cell's lines. It never raises for bad user code: a
+SyntaxError becomes the CompiledCell's `.error`.
+
+`run_cell` runs the code objects in the worker's namespace under
+kernel.outputs' capture and returns (outputs, error): nbformat v4 outputs in
+the order the cell produced them, and the error dict {ename, evalue,
+traceback} (or None). Every BaseException the cell raises is reported, never
+propagated.
+"""
+
+import ast
+import asyncio
+import contextlib
+import inspect
+import io
+import itertools
+import linecache
+import os
+import re
+import signal
+import sys
+import tokenize
+
+from kernel import outputs
+
+_KERNEL_DIR = os.path.dirname(os.path.abspath(__file__))
+_counter = itertools.count(1)
+# File names of cells look like "<cell In[3] 1234-7>": the "In[3]" part is read
+# back when formatting tracebacks, even in another process after a restore.
+_CELL_FILE = re.compile(r"^<cell In\[(\d*)\] [^>]*>$")
+# Lines that are IPython syntax rather than Python: %magic, %%cell magic, !cmd, obj?.
+_MAGIC_LINE = re.compile(r"^\s*(%%?[A-Za-z_]\w*|!|\S.*\?\s*$)")
+
+_TOP_LEVEL_AWAIT = getattr(ast, "PyCF_ALLOW_TOP_LEVEL_AWAIT", 0)
+
+
+class CompiledCell:
+    """A cell ready to run: its code objects, or the error that stops it."""
+
+    def __init__(self, source, execution_count, filename, codes=(), error=None,
+                 uses_ipython=False, has_result=False):
+        """Hold what compile_cell produced."""
+        self.source = source
+        self.execution_count = execution_count
+        self.filename = filename
+        self.codes = list(codes)
+        self.error = error
+        self.uses_ipython = uses_ipython
+        # True when the last code object is an expression whose value is shown.
+        self.has_result = has_result
+
+    def __repr__(self):
+        """Short description for logs."""
+        state = "error" if self.error else f"{len(self.codes)} code objects"
+        return f"<CompiledCell In[{self.execution_count}] {state}>"
+
+
+def cell_filename(execution_count):
+    """A file name unique to one execution of a cell (within and across processes)."""
+    return f"<cell In[{execution_count}] {os.getpid()}-{next(_counter)}>"
+
+
+def _register_source(filename, source):
+    """Make the cell's lines visible to linecache (tracebacks, inspect.getsource)."""
+    lines = source.splitlines(keepends=True)
+    if lines and not lines[-1].endswith("\n"):
+        lines[-1] += "\n"
+    # mtime None: checkcache() never drops entries that have no file on disk.
+    linecache.cache[filename] = (len(source), None, lines, filename)
+
+
+def _transform(source):
+    """Apply IPython's input transformer, or refuse IPython syntax when it is missing.
+
+    Returns (python_source, uses_ipython, error_dict_or_None).
+    """
+    if outputs.ipython_available():
+        try:
+            from IPython.core.inputtransformer2 import TransformerManager
+            transformed = TransformerManager().transform_cell(source)
+        except SyntaxError:
+            # Let Python's own parser report the error with a caret.
+            return source, False, None
+        return transformed, "get_ipython" in transformed, None
+    try:
+        ast.parse(source, flags=_TOP_LEVEL_AWAIT)
+        return source, "get_ipython" in source, None
+    except SyntaxError:
+        pass
+    for line in source.splitlines():
+        match = _MAGIC_LINE.match(line)
+        if match:
+            what = match.group(1).strip()
+            kind = "shell command (!cmd)" if what.startswith("!") else f"magic {what}"
+            if what.endswith("?"):
+                kind = "help syntax (obj?)"
+            error = {
+                "ename": "UsageError",
+                "evalue": (f"this cell uses IPython syntax, the {kind} on line "
+                           f"{source.splitlines().index(line) + 1}, but IPython is not "
+                           f"installed in the kernel's environment: pip install ipython"),
+                "traceback": [],
+            }
+            error["traceback"] = [f"UsageError: {error['evalue']}"]
+            return source, True, error
+    return source, False, None
+
+
+def _ends_with_semicolon(source):
+    """True when the cell's last code token is ';' (Jupyter then shows no result)."""
+    try:
+        tokens = list(tokenize.generate_tokens(io.StringIO(source).readline))
+    except (tokenize.TokenError, SyntaxError, IndentationError):
+        return source.rstrip().endswith(";")
+    skip = {tokenize.ENDMARKER, tokenize.NEWLINE, tokenize.NL, tokenize.COMMENT,
+            tokenize.INDENT, tokenize.DEDENT}
+    for tok in reversed(tokens):
+        if tok.type in skip:
+            continue
+        return tok.type == tokenize.OP and tok.string == ";"
+    return False
+
+
+def compile_cell(source, execution_count):
+    """Compile a cell's source; never raises for the user's mistakes (see CompiledCell.error)."""
+    filename = cell_filename(execution_count)
+    python_source, uses_ipython, error = _transform(source)
+    if error is not None:
+        return CompiledCell(source, execution_count, filename, error=error, uses_ipython=True)
+    _register_source(filename, python_source)
+    try:
+        tree = ast.parse(python_source, filename=filename, mode="exec",
+                         type_comments=False, feature_version=None)
+    except SyntaxError:
+        try:
+            # Top-level await is allowed, as in Jupyter; retry with that flag.
+            tree = compile(python_source, filename, "exec",
+                           flags=ast.PyCF_ONLY_AST | _TOP_LEVEL_AWAIT, dont_inherit=True)
+        except (SyntaxError, ValueError) as exc:
+            return CompiledCell(source, execution_count, filename,
+                                error=syntax_error(exc, execution_count), uses_ipython=uses_ipython)
+    except ValueError as exc:  # e.g. null bytes in the source
+        return CompiledCell(source, execution_count, filename,
+                            error=error_dict(exc, execution_count), uses_ipython=uses_ipython)
+    last = None
+    if tree.body and isinstance(tree.body[-1], ast.Expr) and not _ends_with_semicolon(python_source):
+        last = tree.body.pop()
+    flags = _TOP_LEVEL_AWAIT
+    try:
+        codes = []
+        if tree.body:
+            codes.append(compile(tree, filename, "exec", flags=flags, dont_inherit=True))
+        if last is not None:
+            expr = ast.Expression(body=last.value)
+            ast.copy_location(expr, last)
+            codes.append(compile(expr, filename, "eval", flags=flags, dont_inherit=True))
+    except (SyntaxError, ValueError) as exc:
+        err = syntax_error(exc, execution_count) if isinstance(exc, SyntaxError) \
+            else error_dict(exc, execution_count)
+        return CompiledCell(source, execution_count, filename, error=err, uses_ipython=uses_ipython)
+    return CompiledCell(source, execution_count, filename, codes=codes,
+                        uses_ipython=uses_ipython, has_result=last is not None)
+
+
+# -- errors -----------------------------------------------------------------
+
+_RULE = "-" * 75
+
+
+def _cell_label(filename):
+    """'Cell In[3]' for a cell's file name, else None."""
+    match = _CELL_FILE.match(filename or "")
+    return f"Cell In[{match.group(1)}]" if match else None
+
+
+def _is_kernel_frame(filename):
+    """True for frames of the kernel itself (left out of tracebacks)."""
+    return bool(filename) and os.path.dirname(os.path.abspath(filename)) == _KERNEL_DIR
+
+
+def _context(filename, lineno, before=2, after=2):
+    """Numbered source lines around `lineno`, the current one marked '---->'."""
+    lines = linecache.getlines(filename)
+    if not lines or not lineno:
+        return ""
+    first, last = max(1, lineno - before), min(len(lines), lineno + after)
+    out = []
+    width = len(str(last))
+    for n in range(first, last + 1):
+        mark = "---->" if n == lineno else "     "
+        out.append(f"{mark} {n:>{width}} {lines[n - 1].rstrip()}")
+    return "\n".join(out) + "\n"
+
+
+def _frame_header(frame, filename, lineno, name):
+    """The 'Cell In[3], line 2, in f()' header of one traceback entry."""
+    label = _cell_label(filename)
+    where = label if label else f"File {_short_path(filename)}:{lineno}"
+    if label:
+        where += f", line {lineno}"
+    if name != "<module>":
+        try:
+            args = inspect.formatargvalues(*inspect.getargvalues(frame), formatvalue=lambda v: "")
+            args = re.sub(r"=(?=[,)])", "", args)
+        except Exception:
+            args = "(...)"
+        where += f", in {name}{args}"
+    return where
+
+
+def _short_path(path):
+    """A path with the home directory written as ~, as IPython does."""
+    home = os.path.expanduser("~")
+    if home and home != "/" and path.startswith(home + os.sep):
+        return "~" + path[len(home):]
+    return path
+
+
+def _exception_only(exc):
+    """The last line(s): 'ZeroDivisionError: division by zero' (+ notes)."""
+    name = type(exc).__name__
+    text = str(exc)
+    lines = [f"{name}: {text}" if text else name]
+    for note in getattr(exc, "__notes__", None) or []:
+        lines.append(str(note))
+    return "\n".join(lines)
+
+
+def _format_one(exc, execution_count):
+    """Traceback chunks of one exception (without its cause or context)."""
+    chunks = [_RULE, f"{type(exc).__name__:<42}Traceback (most recent call last)"]
+    tb = exc.__traceback__
+    while tb is not None:
+        frame, lineno = tb.tb_frame, tb.tb_lineno
+        filename = frame.f_code.co_filename
+        if not _is_kernel_frame(filename):
+            header = _frame_header(frame, filename, lineno, frame.f_code.co_name)
+            chunks.append(header + "\n" + _context(filename, lineno))
+        tb = tb.tb_next
+    if isinstance(exc, SyntaxError) and exc.filename:
+        chunks.append(_syntax_block(exc))
+    chunks.append(_exception_only(exc))
+    return chunks
+
+
+def _syntax_block(exc):
+    """The 'Cell In[3], line 1' / source line / caret block of a SyntaxError."""
+    label = _cell_label(exc.filename)
+    where = f"{label}, line {exc.lineno}" if label else f"File {exc.filename}:{exc.lineno}"
+    text = exc.text
+    if text is None and exc.filename and exc.lineno:
+        text = linecache.getline(exc.filename, exc.lineno)
+    block = f"  {where}\n"
+    if text:
+        stripped = text.rstrip("\n")
+        indent = len(stripped) - len(stripped.lstrip())
+        block += f"    {stripped.strip()}\n"
+        if exc.offset:
+            caret_start = max(exc.offset - 1 - indent, 0)
+            end = getattr(exc, "end_offset", None)
+            width = 1
+            if end and exc.end_lineno == exc.lineno and end > exc.offset:
+                width = end - exc.offset
+            block += "    " + " " * caret_start + "^" * width + "\n"
+    return block
+
+
+def syntax_error(exc, execution_count):
+    """The error dict of a SyntaxError in the cell itself: the line and the caret."""
+    label = _cell_label(exc.filename)
+    where = f"{label}, line {exc.lineno}" if label else f"line {exc.lineno}"
+    evalue = f"{exc.msg} ({where})" if exc.lineno else str(exc.msg)
+    return {
+        "ename": type(exc).__name__,
+        "evalue": evalue,
+        "traceback": [_syntax_block(exc) + f"{type(exc).__name__}: {exc.msg}"],
+    }
+
+
+def error_dict(exc, execution_count=None):
+    """The nbformat error dict of an exception: ename, evalue and IPython-like traceback lines."""
+    chunks = []
+    seen = set()
+    chain = []
+    cur = exc
+    while cur is not None and id(cur) not in seen:
+        seen.add(id(cur))
+        chain.append(cur)
+        if cur.__cause__ is not None:
+            cur = cur.__cause__
+        elif cur.__context__ is not None and not cur.__suppress_context__:
+            cur = cur.__context__
+        else:
+            cur = None
+    for i, item in enumerate(reversed(chain)):
+        if i:
+            prev = list(reversed(chain))[i - 1]
+            if item.__cause__ is prev:
+                chunks.append("\nThe above exception was the direct cause of the following exception:\n")
+            else:
+                chunks.append("\nDuring handling of the above exception, another exception occurred:\n")
+        chunks.extend(_format_one(item, execution_count))
+    try:
+        evalue = str(exc)
+    except Exception:
+        evalue = f"<unprintable {type(exc).__name__} object>"
+    if isinstance(exc, SyntaxError) and _cell_label(exc.filename):
+        return syntax_error(exc, execution_count)
+    return {"ename": type(exc).__name__, "evalue": evalue, "traceback": chunks}
+
+
+# -- running ----------------------------------------------------------------
+
+def _run_code(code, namespace):
+    """exec/eval one code object, awaiting it when it uses top-level await."""
+    if code.co_flags & inspect.CO_COROUTINE:
+        coro = eval(code, namespace)
+        loop = asyncio.new_event_loop()
+        try:
+            return loop.run_until_complete(coro)
+        finally:
+            loop.close()
+            asyncio.set_event_loop(None)
+    return eval(code, namespace)
+
+
+@contextlib.contextmanager
+def _sigint_deferred():
+    """Hold off SIGINT while the capture is being undone, so the worker is always restored."""
+    hit = []
+    try:
+        old = signal.signal(signal.SIGINT, lambda *a: hit.append(1))
+    except (ValueError, OSError):  # not the main thread: nothing to defer
+        yield hit
+        return
+    try:
+        yield hit
+    finally:
+        signal.signal(signal.SIGINT, old)
+
+
+def run_cell(cell, namespace, execution_count, settings):
+    """Run a compiled cell in `namespace`; return (outputs, error) and never raise.
+
+    `outputs` are nbformat v4 output dicts in the order the cell produced
+    them; `error` is None or {ename, evalue, traceback}. KeyboardInterrupt
+    (the worker's interrupt), SystemExit and any other BaseException become
+    the error; the outputs produced before it are kept.
+    """
+    if cell.error is not None:
+        return [], cell.error
+    error = None
+    collector = None
+    try:
+        manager = outputs.capture(settings, execution_count, namespace)
+        collector = manager.__enter__()
+    except BaseException as exc:  # the capture could not be set up: report, run nothing
+        return [], _safe_error(exc, execution_count)
+    try:
+        value = None
+        for code in cell.codes:
+            value = _run_code(code, namespace)
+        if cell.has_result and value is not None:
+            data, md = outputs.format_object(value)
+            if data:
+                collector.display(data, md, output_type="execute_result")
+    except BaseException as exc:  # the cell's error, whatever it is
+        error = _safe_error(exc, execution_count)
+    finally:
+        # An interrupt now must not leave fds or sys.stdout redirected.
+        with _sigint_deferred():
+            try:
+                outputs.finish_cell(collector)
+            except BaseException as exc:
+                if error is None:
+                    error = _safe_error(exc, execution_count)
+            with contextlib.suppress(BaseException):
+                manager.__exit__(None, None, None)
+    result = collector.result() if collector is not None else []
+    return result, error
+
+
+def _safe_error(exc, execution_count):
+    """error_dict that cannot itself fail (a broken __str__ must not escape)."""
+    try:
+        return error_dict(exc, execution_count)
+    except BaseException:
+        return {"ename": type(exc).__name__, "evalue": "",
+                "traceback": [f"{type(exc).__name__} (traceback could not be formatted)"]}
