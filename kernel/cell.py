@@ -89,7 +89,8 @@ def _transform(source):
             return source, False, None
         return transformed, "get_ipython" in transformed, None
     try:
-        ast.parse(source, flags=_TOP_LEVEL_AWAIT)
+        compile(source, "<cell>", "exec", flags=ast.PyCF_ONLY_AST | _TOP_LEVEL_AWAIT,
+                dont_inherit=True)
         return source, "get_ipython" in source, None
     except SyntaxError:
         pass
@@ -129,6 +130,15 @@ def _ends_with_semicolon(source):
 
 def compile_cell(source, execution_count):
     """Compile a cell's source; never raises for the user's mistakes (see CompiledCell.error)."""
+    try:
+        return _compile(source, execution_count)
+    except Exception as exc:  # e.g. a transformer bug or a recursion limit: report, don't raise
+        return CompiledCell(source, execution_count, cell_filename(execution_count),
+                            error=error_dict(exc, execution_count))
+
+
+def _compile(source, execution_count):
+    """compile_cell's work; may raise on internal failures."""
     filename = cell_filename(execution_count)
     python_source, uses_ipython, error = _transform(source)
     if error is not None:
