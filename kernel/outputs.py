@@ -629,6 +629,12 @@ def _make_shell():
 
         system_piped = system
 
+        def showtraceback(self, *args, **kwargs):
+            """A failing formatter (a broken __repr__) is the cell's error here, not a printout."""
+            exc = sys.exc_info()[1]
+            if exc is not None:
+                raise exc
+
         def run_line_magic(self, magic_name, line, _stack_depth=1):
             """Run a line magic with IPython's directory history in place (for %cd)."""
             with _hidden_names(self):
