@@ -57,14 +57,22 @@ class Store:
     def for_process(cls, path, **options):
         """The store handle of the calling process, opened on first use.
 
-        A handle inherited through fork is abandoned, never closed: closing
-        it in the child would release the parent's reader slots.
+        LMDB refuses a second open of an environment in one process, and a
+        handle must not cross a fork, so a process closes its handles with
+        `close_before_fork` before it forks and reopens them afterwards.
         """
         key = (os.getpid(), path)
         store = cls._per_process.get(key)
         if store is None:
             store = cls._per_process[key] = cls(path, **options)
         return store
+
+    @classmethod
+    def close_before_fork(cls):
+        """Close the calling process's handles so a forked child can open its own."""
+        pid = os.getpid()
+        for key in [k for k in cls._per_process if k[0] == pid]:
+            cls._per_process.pop(key).env.close()
 
     def _check_format(self):
         """Write the format record of a new store; refuse one of another format."""

@@ -1,0 +1,369 @@
+"""The server's side of the worker processes: zygote, live holders, children.
+
+The server never forks. It spawns the zygote, listens on a Unix socket
+where every worker process connects and says who it is, and keeps the live
+holders in an LRU bounded by count and resident memory. A child that
+dies is reported with its signal or exit code, which its parent (a holder,
+or the zygote as subreaper) tells us.
+"""
+
+import collections
+import itertools
+import json
+import logging
+import os
+import queue
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+from kernel.channel import Channel, ChannelClosed
+from kernel.config import ROOT
+
+log = logging.getLogger("snapshot_kernel")
+
+
+class WorkerError(Exception):
+    """A worker could not be started or reached; `ename` says which kind."""
+
+    def __init__(self, ename, message):
+        """Keep the error name for the client."""
+        super().__init__(message)
+        self.ename = ename
+
+
+class WorkerConn:
+    """The server's end of one worker process's channel."""
+
+    def __init__(self, channel, hello):
+        """Wrap a channel whose first message was `hello`."""
+        self.channel = channel
+        self.hello = hello
+        self.pid = hello["pid"]
+        self.messages = queue.Queue()
+        self.alive = True
+
+    def send(self, msg):
+        """Send a message; False if the worker is gone."""
+        try:
+            self.channel.send(msg)
+            return True
+        except ChannelClosed:
+            self.alive = False
+            return False
+
+    def kill(self):
+        """SIGKILL the worker and its process group (what its cells left running)."""
+        self.alive = False
+        for target in (lambda: os.killpg(self.pid, signal.SIGKILL),
+                       lambda: os.kill(self.pid, signal.SIGKILL)):
+            try:
+                target()
+            except (ProcessLookupError, PermissionError):
+                pass
+        self.channel.close()
+
+
+class Holder:
+    """A live holder process of one state, with its spare children."""
+
+    def __init__(self, state_id, conn):
+        """Track the holder of `state_id` on `conn`."""
+        self.state_id = state_id
+        self.conn = conn
+        self.spares = queue.Queue()
+
+    def kill(self):
+        """Stop the holder and its idle spares."""
+        self.conn.kill()
+        while True:
+            try:
+                self.spares.get_nowait().kill()
+            except queue.Empty:
+                break
+
+
+class Pool:
+    """Spawns and tracks every worker process."""
+
+    def __init__(self, settings):
+        """Prepare the socket and bookkeeping; `start` launches the zygote."""
+        self.settings = settings
+        self.dir = tempfile.mkdtemp(prefix="snapk-")
+        self.sock_path = os.path.join(self.dir, "w.sock")
+        self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.listener.bind(self.sock_path)
+        self.listener.listen(256)
+        self.lock = threading.RLock()
+        self.live = collections.OrderedDict()
+        self.holders_by_pid = {}
+        self.waiting_holders = {}
+        self.exits = {}
+        self.exit_cond = threading.Condition()
+        self.conns = set()
+        self.zygote = None
+        self.zygote_proc = None
+        self.zygote_ready = threading.Condition(self.lock)
+        self.req_ids = itertools.count(1)
+        self.closed = False
+
+    def start(self):
+        """Start accepting workers and spawn the zygote."""
+        threading.Thread(target=self._accept, name="worker-accept", daemon=True).start()
+        self._spawn_zygote()
+
+    def _spawn_zygote(self):
+        """Spawn (not fork) the zygote with a fixed hash seed and the Agg backend."""
+        env = dict(os.environ, PYTHONHASHSEED="0", MPLBACKEND="Agg")
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [ROOT, env.get("PYTHONPATH")]))
+        logfile = self.settings.get("server.log_file") or os.devnull
+        out = open(logfile, "ab")
+        code = ("import json, sys\nfrom kernel.worker import zygote_main\n"
+                "zygote_main(sys.argv[1], json.loads(sys.argv[2]))")
+        self.zygote_proc = subprocess.Popen(
+            [sys.executable, "-c", code, self.sock_path, json.dumps(self.settings)],
+            stdin=subprocess.DEVNULL, stdout=out, stderr=out, env=env, cwd=ROOT,
+            start_new_session=True)
+        out.close()
+
+    # Connections -------------------------------------------------------------
+
+    def _accept(self):
+        """Accept worker connections; each gets a reader thread."""
+        while not self.closed:
+            try:
+                sock, _ = self.listener.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._read, args=(Channel(sock),), daemon=True).start()
+
+    def _read(self, channel):
+        """Read one worker's messages until its channel closes."""
+        try:
+            hello = channel.recv()
+        except (ChannelClosed, EOFError):
+            channel.close()
+            return
+        conn = WorkerConn(channel, hello)
+        with self.lock:
+            self.conns.add(conn)
+        self._introduce(conn)
+        try:
+            while True:
+                msg = channel.recv()
+                op = msg.get("op")
+                if op == "exited":
+                    with self.exit_cond:
+                        self.exits[msg["pid"]] = msg["text"]
+                        self.exit_cond.notify_all()
+                elif op == "log":
+                    log.warning("worker %s: %s", conn.pid, msg["text"])
+                else:
+                    conn.messages.put(msg)
+        except (ChannelClosed, EOFError, OSError):
+            pass
+        conn.alive = False
+        conn.messages.put(None)
+        with self.lock:
+            self.conns.discard(conn)
+            holder = self.holders_by_pid.pop(conn.pid, None)
+            if holder is not None and self.live.get(holder.state_id) is holder:
+                del self.live[holder.state_id]
+            if conn is self.zygote:
+                self.zygote = None
+        if holder is not None:
+            holder.kill()
+
+    def _introduce(self, conn):
+        """File a new connection by the role its hello names."""
+        role = conn.hello["role"]
+        with self.lock:
+            if role == "zygote":
+                self.zygote = conn
+                self.zygote_ready.notify_all()
+            elif role == "holder":
+                waiter = self.waiting_holders.pop(conn.hello["req"], None)
+                if waiter is None:
+                    conn.kill()
+                else:
+                    waiter.put(conn)
+            elif role == "child":
+                holder = self.live.get(conn.hello["holder_state_id"])
+                if holder is None or not holder.conn.alive:
+                    conn.kill()
+                else:
+                    holder.spares.put(conn)
+
+    # Holders -----------------------------------------------------------------
+
+    def _wait_zygote(self):
+        """The zygote's connection, respawning it if it died."""
+        deadline = time.monotonic() + self.settings["workers.worker_start_timeout_s"]
+        with self.lock:
+            while self.zygote is None or not self.zygote.alive:
+                if self.zygote_proc.poll() is not None:
+                    self._spawn_zygote()
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise WorkerError("WorkerStartFailed", "the zygote process did not start")
+                self.zygote_ready.wait(min(left, 0.5))
+            return self.zygote
+
+    def holder(self, manifest):
+        """The live holder of `manifest`'s state, restoring it if needed."""
+        with self.lock:
+            holder = self.live.get(manifest["id"])
+            if holder is not None and holder.conn.alive:
+                self.live.move_to_end(manifest["id"])
+                return holder
+        return self._restore(manifest)
+
+    def _restore(self, manifest):
+        """Fork a fresh holder from the zygote for `manifest`."""
+        zygote = self._wait_zygote()
+        req = next(self.req_ids)
+        arrived = queue.Queue()
+        with self.lock:
+            self.waiting_holders[req] = arrived
+        zygote.send({"op": "spawn", "req": req, "manifest": manifest})
+        timeout = self.settings["workers.worker_start_timeout_s"]
+        try:
+            conn = arrived.get(timeout=timeout)
+        except queue.Empty:
+            with self.lock:
+                self.waiting_holders.pop(req, None)
+            raise WorkerError("WorkerStartFailed", "a worker process did not start in time")
+        try:
+            msg = conn.messages.get(timeout=timeout)
+        except queue.Empty:
+            msg = {"ename": "WorkerStartFailed", "evalue": "a restored worker did not get ready"}
+        if msg is None or msg.get("op") != "ready":
+            conn.kill()
+            msg = msg or {"ename": "WorkerDied", "evalue": "the worker restoring the state died"}
+            raise WorkerError(msg.get("ename", "WorkerDied"), msg.get("evalue", str(msg)))
+        return self.adopt(manifest["id"], conn)
+
+    def adopt(self, state_id, conn):
+        """Make `conn` the live holder of `state_id`; evict beyond the limits."""
+        holder = Holder(state_id, conn)
+        with self.lock:
+            old = self.live.pop(state_id, None)
+            self.live[state_id] = holder
+            self.holders_by_pid[conn.pid] = holder
+        if old is not None and old is not holder:
+            self._drop(old)
+        if self.settings["workers.spare_children"]:
+            conn.send({"op": "fork"})
+        self._evict()
+        return holder
+
+    def take_child(self, holder):
+        """A child of `holder` ready to run a request (a spare, or a new fork)."""
+        timeout = self.settings["workers.worker_start_timeout_s"]
+        while True:
+            try:
+                child = holder.spares.get_nowait()
+            except queue.Empty:
+                if not holder.conn.send({"op": "fork"}):
+                    raise WorkerError("WorkerDied", "the state's holder process is gone")
+                try:
+                    child = holder.spares.get(timeout=timeout)
+                except queue.Empty:
+                    raise WorkerError("WorkerStartFailed", "no child process arrived") from None
+            else:
+                if self.settings["workers.spare_children"]:
+                    holder.conn.send({"op": "fork"})
+            if child.alive:
+                return child
+
+    def retire(self, state_id):
+        """Stop the holder of a state no name points to any more."""
+        with self.lock:
+            holder = self.live.pop(state_id, None)
+        if holder is not None:
+            self._drop(holder)
+
+    def _drop(self, holder):
+        """Kill a holder that left the LRU."""
+        with self.lock:
+            self.holders_by_pid.pop(holder.conn.pid, None)
+        holder.kill()
+
+    def _evict(self):
+        """Evict least recently used holders past max_live_states or memory."""
+        max_states = self.settings["workers.max_live_states"]
+        max_bytes = self.settings["workers.max_live_memory_mb"] * 2 ** 20
+        while True:
+            with self.lock:
+                if len(self.live) <= 1:
+                    return
+                over = len(self.live) > max_states
+                if not over:
+                    over = sum(rss(h.conn.pid) for h in self.live.values()) > max_bytes
+                if not over:
+                    return
+                _, victim = self.live.popitem(last=False)
+            log.info("evicting the holder of state %s", victim.state_id)
+            self._drop(victim)
+
+    def live_ids(self):
+        """State ids with a live holder, least recently used first."""
+        with self.lock:
+            return list(self.live)
+
+    # Children ----------------------------------------------------------------
+
+    def exit_status(self, pid, wait=2.0):
+        """How process `pid` ended (as told by its parent), waiting a little."""
+        deadline = time.monotonic() + wait
+        with self.exit_cond:
+            while pid not in self.exits:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return "ended without reporting how"
+                self.exit_cond.wait(left)
+            return self.exits.pop(pid)
+
+    # Shutdown ----------------------------------------------------------------
+
+    def reset(self):
+        """Stop every holder (children running cells finish on their own)."""
+        with self.lock:
+            holders = list(self.live.values())
+            self.live.clear()
+        for holder in holders:
+            self._drop(holder)
+
+    def close(self):
+        """Kill every worker process and remove the socket."""
+        self.closed = True
+        self.reset()
+        with self.lock:
+            conns = list(self.conns)
+        for conn in conns:
+            conn.kill()
+        if self.zygote_proc is not None:
+            try:
+                os.killpg(self.zygote_proc.pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+            self.zygote_proc.wait()
+        try:
+            self.listener.close()
+        finally:
+            shutil.rmtree(self.dir, ignore_errors=True)
+
+
+def rss(pid):
+    """Resident memory of a process in bytes (0 if it is gone)."""
+    try:
+        with open(f"/proc/{pid}/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, IndexError, ValueError):
+        return 0
+

@@ -1,0 +1,499 @@
+"""The worker processes: zygote, holders of live states, and cell children.
+
+The zygote is spawned by the server with imports warmed; it forks one
+holder per state to restore. A holder is idle; its `__main__` is its
+state's namespace. To run a cell the holder forks a child (one spare is
+kept forked and warmed in advance); the child runs the cell on a
+copy-on-write copy of the namespace, stores what changed, answers, and
+stays on as the holder of the new state. A failed cell's child exits, so
+the input state is never touched. Every process talks to the server over
+its own channel.
+"""
+
+import ctypes
+import os
+import select
+import signal
+import sys
+import time
+import traceback
+import types
+
+from kernel import symbols
+from kernel.channel import Channel, ChannelClosed
+from storage import snapshot
+from storage.store import Store, StoreError, StoreFull
+
+_PR_SET_PDEATHSIG = 1
+_PR_SET_CHILD_SUBREAPER = 36
+
+
+def _prctl(option, value):
+    """Call prctl(2); best effort (Linux only)."""
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(option, value, 0, 0, 0)
+    except (OSError, AttributeError):
+        pass
+
+
+def _fresh_main():
+    """Install an empty `__main__` module and return its namespace dict."""
+    import builtins
+    main = types.ModuleType("__main__")
+    main.__dict__["__builtins__"] = builtins
+    sys.modules["__main__"] = main
+    return main.__dict__
+
+
+def _user_names(namespace):
+    """The notebook variable names of a namespace."""
+    return {n for n in namespace if snapshot.is_user_name(n)}
+
+
+def _status_text(status):
+    """Describe a wait status: the signal or exit code."""
+    if os.WIFSIGNALED(status):
+        sig = os.WTERMSIG(status)
+        try:
+            name = signal.Signals(sig).name
+        except ValueError:
+            name = str(sig)
+        hint = " (out of memory, or killed)" if sig == signal.SIGKILL else ""
+        return f"killed by signal {name}{hint}", -sig
+    return f"exited with code {os.WEXITSTATUS(status)}", os.WEXITSTATUS(status)
+
+
+class Process:
+    """What every worker process shares: settings, its channel, the store."""
+
+    def __init__(self, sock_path, settings):
+        """Remember how to reach the server and the store."""
+        self.sock_path = sock_path
+        self.settings = settings
+        self.channel = None
+
+    def connect(self, hello):
+        """Open this process's own channel to the server and introduce itself."""
+        self.channel = Channel.connect(self.sock_path)
+        self.channel.send(dict(hello, pid=os.getpid()))
+
+    def store(self):
+        """This process's handle on the store."""
+        s = self.settings
+        return Store.for_process(s["server.data_dir"], max_store_gb=s["store.max_store_gb"],
+                                 durability=s["store.durability"],
+                                 zstd_level=s["store.zstd_level"])
+
+    def reaper(self):
+        """Route SIGCHLD to a pipe so the select loop can reap children."""
+        r, w = os.pipe()
+        os.set_blocking(w, False)
+        signal.signal(signal.SIGCHLD, lambda *_: None)
+        signal.set_wakeup_fd(w)
+        return r
+
+    def reap(self, wake_fd):
+        """Report every exited child to the server."""
+        try:
+            os.read(wake_fd, 4096)
+        except BlockingIOError:
+            pass
+        while True:
+            try:
+                pid, status = os.waitpid(-1, os.WNOHANG)
+            except ChildProcessError:
+                return
+            if pid == 0:
+                return
+            text, code = _status_text(status)
+            self.channel.send({"op": "exited", "pid": pid, "text": text, "code": code})
+
+
+def zygote_main(sock_path, settings):
+    """Entry point of the zygote: warm imports, then fork holders on request."""
+    _prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    _prctl(_PR_SET_CHILD_SUBREAPER, 1)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    os.environ["MPLBACKEND"] = "Agg"
+    _warm_imports()
+    namespace = _fresh_main()
+    proc = Process(sock_path, settings)
+    proc.connect({"role": "zygote"})
+    wake = proc.reaper()
+    while True:
+        ready, _, _ = select.select([proc.channel, wake], [], [])
+        if wake in ready:
+            proc.reap(wake)
+        if proc.channel not in ready:
+            continue
+        try:
+            msg = proc.channel.recv()
+        except ChannelClosed:
+            os._exit(0)
+        if msg["op"] == "spawn":
+            if os.fork() == 0:
+                _become_worker()
+                holder = Holder(sock_path, settings, namespace, msg["manifest"])
+                holder.run_restored(msg["req"])
+
+
+def _warm_imports():
+    """Import what cells commonly use, once, so every fork starts warm."""
+    for name in ("numpy", "pandas", "matplotlib", "matplotlib.pyplot", "kernel.cell",
+                 "dill", "lmdb", "zstandard", "IPython"):
+        try:
+            __import__(name)
+        except Exception:
+            pass
+
+
+def _become_worker():
+    """Post-fork set-up of a worker: own process group, default signals."""
+    os.setpgid(0, 0)
+    signal.set_wakeup_fd(-1)
+    signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
+class Holder(Process):
+    """The holder of one live state; also, after a fork, the child running a cell."""
+
+    def __init__(self, sock_path, settings, namespace, manifest):
+        """Hold `manifest`'s state, its groups not yet loaded."""
+        super().__init__(sock_path, settings)
+        self.namespace = namespace
+        self.manifest = manifest
+        self.pending = list(manifest["groups"])
+        self.volatile_pending = set(manifest["volatile"])
+        self.modules_loaded = False
+        self.background = True
+
+    # Loading -------------------------------------------------------------
+
+    def state_names(self):
+        """Every variable name of the state, loaded or not."""
+        return set(self.manifest["variables"])
+
+    def pending_names(self):
+        """Names of variables not loaded yet."""
+        names = {m for g in self.pending for m in g["members"]}
+        return names | self.volatile_pending | (
+            set() if self.modules_loaded else set(self.manifest["modules"]))
+
+    def load(self, names=None):
+        """Load the groups holding `names` (all when None), modules, volatiles."""
+        self.load_modules_now()
+        keep = []
+        for group in self.pending:
+            if names is None or not names.isdisjoint(group["members"]):
+                snapshot.load_group(self.store(), group, self.namespace)
+            else:
+                keep.append(group)
+        self.pending = keep
+        if self.volatile_pending and (names is None or names & self.volatile_pending):
+            # A replay may read anything: load the whole state first.
+            self.load_rest()
+            snapshot.replay_volatile(self.manifest, self.namespace, self.volatile_pending)
+            self.volatile_pending = set()
+
+    def load_rest(self):
+        """Load every group still pending."""
+        for group in self.pending:
+            snapshot.load_group(self.store(), group, self.namespace)
+        self.pending = []
+
+    # Holder loop ---------------------------------------------------------
+
+    def run_restored(self, req):
+        """Entry of a holder forked by the zygote to restore a state."""
+        try:
+            self.connect({"role": "holder", "req": req, "state_id": self.manifest["id"]})
+            snapshot.check_compatible(self.manifest)
+        except snapshot.IncompatibleState as exc:
+            self.channel.send({"op": "failed", "ename": "IncompatibleState",
+                               "evalue": str(exc)})
+            os._exit(1)
+        except Exception:
+            os._exit(1)
+        self.serve()
+
+    def serve(self):
+        """Idle loop: fork children on request, load pending groups meanwhile."""
+        wake = self.reaper()
+        self.channel.send({"op": "ready", "state_id": self.manifest["id"]})
+        while True:
+            busy = self.background and (self.pending or self.volatile_pending)
+            timeout = 0 if busy else None
+            ready, _, _ = select.select([self.channel, wake], [], [], timeout)
+            if wake in ready:
+                self.reap(wake)
+            if self.channel in ready:
+                try:
+                    msg = self.channel.recv()
+                except ChannelClosed:
+                    self.exit()
+                if msg["op"] == "fork":
+                    self.fork_child()
+                elif msg["op"] == "exit":
+                    self.exit()
+            elif not ready:
+                self.load_step()
+
+    def load_step(self):
+        """Load one pending group between messages; on failure leave it to the cells."""
+        try:
+            if self.pending:
+                snapshot.load_group(self.store(), self.pending[0], self.namespace)
+                self.pending.pop(0)
+            elif self.volatile_pending:
+                self.load(set(self.volatile_pending))
+        except Exception:
+            # A child that needs the value retries and reports the error itself.
+            self.background = False
+            self.channel.send({"op": "log", "text": traceback.format_exc()})
+
+    def exit(self):
+        """Leave, taking any processes the state's cells left behind."""
+        try:
+            os.killpg(os.getpid(), signal.SIGKILL)
+        finally:
+            os._exit(0)
+
+    def fork_child(self):
+        """Fork a child that waits, warmed, for a cell to run."""
+        Store.close_before_fork()
+        if os.fork() == 0:
+            _become_worker()
+            self.channel.close()
+            try:
+                self.connect({"role": "child", "holder_state_id": self.manifest["id"]})
+                self.warm()
+                msg = self.channel.recv()
+            except (ChannelClosed, OSError):
+                os._exit(0)
+            self.run(msg)
+
+    def warm(self):
+        """Touch what a cell run touches, so its pages are copied before the cell."""
+        from storage import serializer
+        exec(compile("_warm = [1, 2]\n", "<warm>", "exec"), {})
+        serializer.dumps([{"warm": [1.0, "x"]}], self.namespace)
+        self.store()
+
+    # Child: run one cell ---------------------------------------------------
+
+    def run(self, msg):
+        """Run the request `msg` in this child, answer, and become a holder or exit."""
+        try:
+            if msg["op"] == "execute":
+                self.execute(msg)
+            elif msg["op"] == "multistate":
+                self.multistate(msg)
+            elif msg["op"] == "rebuild":
+                self.rebuild(msg)
+        except ChannelClosed:
+            pass
+        except Exception as exc:
+            try:
+                self.channel.send({"op": "result", "error": {
+                    "ename": type(exc).__name__, "evalue": str(exc),
+                    "traceback": traceback.format_exc().splitlines()}, "output": []})
+            except ChannelClosed:
+                pass
+        os._exit(0)
+
+    def prepare(self, cell):
+        """Analyse the cell's reads and writes, loading what it needs first."""
+        names_before = self.state_names()
+        while True:
+            if cell.uses_ipython:
+                found = symbols.Analysis(
+                    {n for n in names_before}, {n for n in names_before}, True)
+            else:
+                found = symbols.analyse(cell.codes, self.namespace, names_before)
+            missing = (found.reads | found.writes) & self.pending_names()
+            if found.dynamic:
+                missing = self.pending_names()
+            if not missing:
+                return found
+            self.load(missing)
+
+    def run_cell(self, cell, count):
+        """Run a compiled cell with SIGINT raising KeyboardInterrupt meanwhile."""
+        from kernel.cell import run_cell
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        try:
+            return run_cell(cell, self.namespace, count, self.settings)
+        finally:
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+    def execute(self, msg):
+        """Run a cell; on success store the new state and stay as its holder."""
+        from kernel.cell import compile_cell
+        count = self.manifest["execution_count"] + 1
+        answer = {"op": "result", "output": [], "error": None, "state_name": None,
+                  "accessed_symbols": [], "modified_symbols": [], "deleted_symbols": [],
+                  "execution_count": count, "volatile_symbols": []}
+        cell = compile_cell(msg["code"], count)
+        if cell.error:
+            answer["error"] = cell.error
+            self.channel.send(answer)
+            return
+        try:
+            found = self.prepare(cell)
+        except (StoreError, snapshot.ReplayFailed) as exc:
+            answer["error"] = {"ename": type(exc).__name__, "evalue": str(exc), "traceback": []}
+            self.channel.send(answer)
+            return
+        before = {n: self.namespace[n] for n in _user_names(self.namespace)}
+        names_before = self.state_names()
+        outputs, error = self.run_cell(cell, count)
+        after = _user_names(self.namespace)
+        modified = {n for n in after if n not in before or before[n] is not self.namespace[n]}
+        modified |= found.writes & after
+        deleted = names_before - after - self.pending_names()
+        answer.update(output=outputs, error=error,
+                      accessed_symbols=sorted(found.reads & names_before),
+                      modified_symbols=sorted(modified), deleted_symbols=sorted(deleted))
+        if error is not None:
+            self.channel.send(answer)
+            return
+        self.channel.send({"op": "phase", "phase": "saving"})
+        touched = found.reads | found.writes | modified | deleted
+        if found.dynamic:
+            touched |= names_before | after
+        try:
+            manifest = self.save(msg, count, touched, after)
+        except (StoreFull, StoreError) as exc:
+            answer["error"] = {"ename": type(exc).__name__, "evalue": str(exc), "traceback": []}
+            answer["store_full"] = isinstance(exc, StoreFull)
+            self.channel.send(answer)
+            return
+        answer.update(state_name=msg["new_name"], manifest=manifest,
+                      volatile_symbols=sorted(manifest["volatile"]))
+        self.become_holder(manifest, answer)
+
+    def save(self, msg, count, touched, present):
+        """Write the new state: dirty groups re-pickled, the others carried."""
+        parent = self.manifest
+        manifest = snapshot.new_manifest(msg["new_name"], parent, msg["code"], count,
+                                         msg.get("auto_named", False))
+        carried, dirty = [], set()
+        for group in parent["groups"]:
+            if touched.isdisjoint(group["members"]):
+                carried.append(group)
+            else:
+                dirty.update(m for m in group["members"] if m in present)
+        modules = [n for n in parent["modules"] if n not in touched]
+        volatile = [n for n in parent["volatile"] if n not in touched]
+        dirty |= (touched & present) - set(modules) - set(volatile)
+        snapshot.carry(manifest, parent, carried, modules, volatile)
+        tag = f"{count}:{manifest['code_digest']}"
+        records = snapshot.save_groups(self.store(), manifest, self.namespace, sorted(dirty),
+                                       self.settings, class_tag=tag)
+        self.store().put_state(manifest["name"], manifest, records)
+        return manifest
+
+    def become_holder(self, manifest, answer):
+        """Answer, then serve as the holder of the state just made."""
+        self.manifest = manifest
+        self.channel.send(answer)
+        self.serve()
+
+    def multistate(self, msg):
+        """Run a cell with other states' variables under aliases; store nothing."""
+        from kernel.cell import compile_cell
+        answer = {"op": "result", "output": [], "error": None, "state_name": None,
+                  "accessed_symbols": [], "modified_symbols": [], "deleted_symbols": []}
+        self.load()
+        for alias, manifest in msg["aliases"].items():
+            scope = {"__builtins__": self.namespace["__builtins__"]}
+            snapshot.check_compatible(manifest)
+            snapshot.load_modules(manifest, scope)
+            for group in manifest["groups"]:
+                snapshot.load_group(self.store(), group, scope)
+            snapshot.replay_volatile(manifest, scope)
+            scope.pop("__builtins__")
+            self.namespace[alias] = types.SimpleNamespace(**scope)
+        count = self.manifest["execution_count"] + 1
+        cell = compile_cell(msg["code"], count)
+        if cell.error:
+            answer["error"] = cell.error
+            self.channel.send(answer)
+            return
+        names_before = _user_names(self.namespace)
+        found = self.prepare(cell) if not cell.uses_ipython else None
+        before = {n: self.namespace[n] for n in names_before}
+        outputs, error = self.run_cell(cell, count)
+        after = _user_names(self.namespace)
+        reads = found.reads if found else names_before
+        answer.update(
+            output=outputs, error=error,
+            accessed_symbols=sorted(reads & names_before),
+            modified_symbols=sorted(
+                n for n in after if n not in before or before[n] is not self.namespace[n]),
+            deleted_symbols=sorted(names_before - after))
+        self.channel.send(answer)
+
+    def rebuild(self, msg):
+        """Make a state of `source_vars` from a source state and `input_vars` from this one.
+
+        Groups wholly wanted are carried by blob key and loaded lazily; a
+        group split by the request is loaded and its wanted members re-pickled.
+        """
+        source = msg["source_manifest"]
+        snapshot.check_compatible(source)
+        want_source = set(msg["source_vars"]) & set(source["variables"])
+        want_input = (set(msg["input_vars"]) - want_source) & self.state_names()
+        parent = self.manifest
+        manifest = snapshot.new_manifest(msg["new_name"], parent, "", parent["execution_count"],
+                                         msg.get("auto_named", False))
+        manifest["rebuilt_from"] = {"input": parent["name"], "source": source["name"]}
+        self.load_modules_now()
+        dirty = set()
+        sides = ((parent, want_input, self.pending), (source, want_source, source["groups"]))
+        pending = []
+        for origin, wanted, unloaded in sides:
+            whole = [g for g in origin["groups"] if set(g["members"]) <= wanted]
+            split = [g for g in origin["groups"]
+                     if not wanted.isdisjoint(g["members"]) and g not in whole]
+            for group in split:
+                if group in unloaded or origin is source:
+                    self.load_split(group, wanted)
+                dirty |= wanted & set(group["members"])
+            pending += [g for g in whole if g in unloaded or origin is source]
+            modules = [n for n in origin["modules"] if n in wanted]
+            volatile = [n for n in origin["volatile"] if n in wanted]
+            snapshot.carry(manifest, origin, whole, modules, volatile)
+            snapshot.load_modules(origin, self.namespace, set(modules))
+            if origin is source:
+                self.volatile_pending |= set(volatile)
+        keep = want_input | want_source
+        for name in _user_names(self.namespace) - keep:
+            del self.namespace[name]
+        self.volatile_pending &= keep
+        records = snapshot.save_groups(self.store(), manifest, self.namespace, sorted(dirty),
+                                       self.settings)
+        self.store().put_state(manifest["name"], manifest, records)
+        self.pending = pending
+        answer = {"op": "result", "error": None, "state_name": msg["new_name"],
+                  "manifest": manifest, "output": []}
+        self.become_holder(manifest, answer)
+
+    def load_modules_now(self):
+        """Import the state's module variables if not done yet."""
+        if not self.modules_loaded:
+            snapshot.load_modules(self.manifest, self.namespace)
+            self.modules_loaded = True
+
+    def load_split(self, group, wanted):
+        """Load a group but keep only its `wanted` members; others keep their values."""
+        saved = {m: self.namespace[m] for m in group["members"]
+                 if m not in wanted and m in self.namespace}
+        snapshot.load_group(self.store(), group, self.namespace)
+        for m in group["members"]:
+            if m not in wanted:
+                if m in saved:
+                    self.namespace[m] = saved[m]
+                else:
+                    del self.namespace[m]

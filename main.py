@@ -1,0 +1,393 @@
+"""Command line and HTTP routes of the snapshot kernel server.
+
+Parse, authenticate, call the kernel, answer JSON. Run it as
+`python main.py --bind HOST:PORT --token TOKEN`, or through bottle's own
+command line as `python -m bottle --server cheroot --bind HOST:PORT
+--param token=TOKEN main:app` (bottle has no --token flag; --param puts
+the token into the app's config, where it is read from).
+"""
+
+import argparse
+import atexit
+import fcntl
+import functools
+import hmac
+import ipaddress
+import json
+import logging
+import os
+import signal
+import sys
+import threading
+import unicodedata
+
+import bottle
+
+from kernel import config as config_mod
+from kernel.registry import Kernel, KernelError
+from storage.store import StoreError
+
+app = bottle.Bottle()
+log = logging.getLogger("snapshot_kernel")
+
+_kernel = None
+_kernel_lock = threading.Lock()
+_settings = None
+MAX_NAME = 200
+
+
+class BadRequest(Exception):
+    """The request is malformed: answered with 400."""
+
+
+class ServerLock:
+    """An exclusive lock on the data directory: one server per store."""
+
+    def __init__(self, data_dir):
+        """Take the lock or raise StoreError naming the directory."""
+        os.makedirs(data_dir, exist_ok=True)
+        self.file = open(os.path.join(data_dir, "server.lock"), "a+")
+        try:
+            fcntl.flock(self.file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise StoreError(f"another server is already using the store at {data_dir}; "
+                             f"stop it or choose another --data-dir") from None
+
+
+def settings():
+    """The configuration in force (the bottle CLI form reads it from app.config)."""
+    global _settings
+    if _settings is None:
+        overrides = {}
+        if app.config.get("data_dir"):
+            overrides["server.data_dir"] = os.path.abspath(app.config["data_dir"])
+        _settings = config_mod.load(app.config.get("config"), overrides)
+    return _settings
+
+
+def get_kernel():
+    """The kernel, started on first use (so `main:app` works under bottle's CLI)."""
+    global _kernel
+    with _kernel_lock:
+        if _kernel is None:
+            s = settings()
+            app.config["server_lock"] = ServerLock(s["server.data_dir"])
+            _kernel = Kernel(s)
+            atexit.register(_kernel.close)
+        return _kernel
+
+
+def _token_ok():
+    """True if the request carries the server's token (compared in constant time)."""
+    expected = app.config.get("token")
+    if app.config.get("no_auth"):
+        return True
+    if not expected:
+        return False
+    given = bottle.request.query.get("token")
+    header = bottle.request.headers.get("Authorization", "")
+    if header.startswith("Bearer "):
+        given = header[len("Bearer "):]
+    return given is not None and hmac.compare_digest(
+        given.encode("utf-8", "surrogateescape"), expected.encode())
+
+
+def _json_response(status, payload):
+    """A JSON HTTP response."""
+    return bottle.HTTPResponse(status=status, body=json.dumps(payload),
+                               headers={"Content-Type": "application/json"})
+
+
+def _error_response(status, etype, message):
+    """The JSON error every failure is answered with."""
+    return _json_response(status, {"error": {"type": etype, "message": message}})
+
+
+def route(method, path, auth=True):
+    """Register a JSON route: auth, error mapping, JSON encoding."""
+    def wrap(handler):
+        """Wrap `handler`, whose return value becomes the JSON body."""
+        @functools.wraps(handler)
+        def run(*args, **kwargs):
+            """Answer one request."""
+            if auth and not _token_ok():
+                return _error_response(401, "Unauthorized", "missing or invalid token")
+            try:
+                return _json_response(200, handler(*args, **kwargs))
+            except BadRequest as exc:
+                return _error_response(400, "BadRequest", str(exc))
+            except KernelError as exc:
+                return _error_response(exc.status, exc.etype, str(exc))
+            except StoreError as exc:
+                return _error_response(503, "StoreUnavailable", str(exc))
+            except Exception as exc:
+                log.exception("internal error on %s %s", method, path)
+                return _error_response(500, "InternalError", f"{type(exc).__name__}: {exc}")
+        app.route(path, method, run)
+        return run
+    return wrap
+
+
+def body():
+    """The request's JSON object, within max_body_mb."""
+    limit = settings()["server.max_body_mb"] * 2 ** 20
+    length = bottle.request.content_length
+    if length > limit:
+        raise KernelError(413, "PayloadTooLarge", f"the body is larger than max_body_mb "
+                          f"({settings()['server.max_body_mb']} MiB)")
+    raw = bottle.request.environ["wsgi.input"].read(length) if length > 0 else b""
+    if not raw:
+        raise BadRequest("the request needs a JSON object body")
+    try:
+        data = json.loads(raw.decode("utf-8"))
+    except UnicodeDecodeError:
+        raise BadRequest("the body is not UTF-8") from None
+    except (ValueError, RecursionError) as exc:
+        raise BadRequest(f"the body is not valid JSON: {str(exc)[:200]}") from None
+    if not isinstance(data, dict):
+        raise BadRequest("the body must be a JSON object")
+    return data
+
+
+def state_name(value, field):
+    """A valid state name, or 400."""
+    if not isinstance(value, str):
+        raise BadRequest(f"{field} must be a string")
+    if not value or len(value) > MAX_NAME:
+        raise BadRequest(f"{field} must have 1 to {MAX_NAME} characters")
+    if any(unicodedata.category(c) in ("Cc", "Cs") for c in value):
+        raise BadRequest(f"{field} must not contain control characters")
+    return value
+
+
+def field(data, name, kind, required=True, default=None):
+    """A typed field of the body, or 400."""
+    if name not in data or data[name] is None:
+        if required:
+            raise BadRequest(f"missing field {name!r}")
+        return default
+    value = data[name]
+    kinds = kind if isinstance(kind, tuple) else (kind,)
+    if not isinstance(value, kinds) or isinstance(value, bool) and bool not in kinds:
+        names = " or ".join(k.__name__ for k in kinds)
+        raise BadRequest(f"field {name!r} must be of type {names}")
+    return value
+
+
+def name_list(data, name):
+    """A list of strings field, or 400."""
+    value = field(data, name, list)
+    if not all(isinstance(v, str) for v in value):
+        raise BadRequest(f"field {name!r} must be a list of strings")
+    return value
+
+
+def exec_id(data):
+    """The exec_id field (a string or an integer)."""
+    return field(data, "exec_id", (str, int))
+
+
+@route("POST", "/execute")
+def execute():
+    """Run a cell from a state."""
+    data = body()
+    code = field(data, "code", str, required=False, default="")
+    new = data.get("new_state_name")
+    return get_kernel().execute(code, exec_id(data), state_name(field(data, "state_name", str),
+                                                            "state_name"),
+                            None if new is None else state_name(new, "new_state_name"))
+
+
+@route("POST", "/multistate_execute")
+def multistate_execute():
+    """Run a cell with several states under aliases; nothing is stored."""
+    data = body()
+    code = field(data, "code", str, required=False, default="")
+    mapping = field(data, "state_mapping", dict)
+    for alias, target in mapping.items():
+        if not alias.isidentifier():
+            raise BadRequest(f"alias {alias!r} is not a Python identifier")
+        state_name(target, f"state_mapping[{alias!r}]")
+    default = data.get("default_state")
+    if default is not None:
+        state_name(default, "default_state")
+    return get_kernel().multistate_execute(code, exec_id(data), mapping, default)
+
+
+@route("GET", "/states")
+def list_states():
+    """Every state name."""
+    return {"states": get_kernel().list_states()}
+
+
+@route("GET", "/states/<name:path>")
+def get_state(name):
+    """One state's variables and lineage."""
+    return get_kernel().describe(state_name(name, "name"))
+
+
+@route("DELETE", "/states/<name:path>")
+def delete_state(name):
+    """Delete a state."""
+    get_kernel().delete(state_name(name, "name"))
+    return {"deleted": name}
+
+
+@route("POST", "/symbol_hashes")
+def symbol_hashes():
+    """Content hashes of variables, from the manifest."""
+    data = body()
+    algo = field(data, "hash_algo", str, required=False)
+    return {"hashes": get_kernel().symbol_hashes(
+        state_name(field(data, "state_name", str), "state_name"),
+        name_list(data, "symbols"), algo)}
+
+
+@route("POST", "/alias_groups")
+def alias_groups():
+    """Alias groups and fingerprints, from the manifest."""
+    data = body()
+    return get_kernel().alias_groups(state_name(field(data, "state_name", str), "state_name"))
+
+
+@route("POST", "/rebuild_state")
+def rebuild_state():
+    """Build a state from two others' variables without running code."""
+    data = body()
+    new = data.get("new_state_name")
+    return get_kernel().rebuild(
+        state_name(field(data, "input_state", str), "input_state"),
+        state_name(field(data, "source_state", str), "source_state"),
+        name_list(data, "source_vars"), name_list(data, "input_vars"),
+        None if new is None else state_name(new, "new_state_name"))
+
+
+@route("POST", "/reset")
+def reset():
+    """Drop every state; `initial` remains."""
+    get_kernel().reset()
+    return {"status": "ok"}
+
+
+@route("POST", "/interrupt")
+def interrupt():
+    """Interrupt a running execution."""
+    return {"interrupted": get_kernel().interrupt(exec_id(body()))}
+
+
+@route("GET", "/health", auth=False)
+def health():
+    """Liveness, without a token."""
+    return {"status": "ok"}
+
+
+@app.error(404)
+@app.error(405)
+@app.error(413)
+@app.error(500)
+def http_error(err):
+    """Bottle's own errors (unknown route, wrong method) as JSON, never HTML."""
+    bottle.response.content_type = "application/json"
+    kind = {404: "NotFound", 405: "MethodNotAllowed", 413: "PayloadTooLarge"}.get(
+        err.status_code, "InternalError")
+    return json.dumps({"error": {"type": kind, "message": str(err.body)}})
+
+
+def _is_loopback(host):
+    """True for a loopback bind address."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+def parse_args(argv):
+    """The command line."""
+    p = argparse.ArgumentParser(description="Snapshot kernel server")
+    p.add_argument("--bind", default="127.0.0.1:8080", help="HOST:PORT (default %(default)s)")
+    p.add_argument("--token", default=os.environ.get("SNAPSHOT_KERNEL_TOKEN"),
+                   help="secret token every request must carry (or SNAPSHOT_KERNEL_TOKEN)")
+    p.add_argument("--no-auth", action="store_true",
+                   help="serve without a token (loopback binds only)")
+    p.add_argument("--data-dir", help="folder of the state store (default: config.toml)")
+    p.add_argument("--config", help="a TOML file overriding config.toml")
+    p.add_argument("--display-max-rows", type=int, help="pandas display.max_rows")
+    p.add_argument("--display-max-columns", type=int, help="pandas display.max_columns")
+    p.add_argument("--display-max-colwidth", type=int, help="pandas display.max_colwidth")
+    p.add_argument("--verbose", action="store_true", help="log to stderr")
+    return p.parse_args(argv)
+
+
+def main(argv=None):
+    """Start the server; SIGTERM or Ctrl-C stop it and every worker."""
+    global _settings
+    args = parse_args(argv)
+    host, _, port = args.bind.rpartition(":")
+    if not host or not port.isdigit():
+        sys.exit(f"error: --bind must be HOST:PORT, not {args.bind!r}")
+    if not args.token and not (args.no_auth and _is_loopback(host)):
+        sys.exit("error: no token: pass --token or set SNAPSHOT_KERNEL_TOKEN "
+                 "(--no-auth is allowed only on a loopback address)")
+    overrides = {}
+    if args.data_dir:
+        overrides["server.data_dir"] = os.path.abspath(args.data_dir)
+    for flag in ("rows", "columns", "colwidth"):
+        value = getattr(args, f"display_max_{flag}")
+        if value is not None:
+            overrides[f"display.max_{flag}"] = value
+    try:
+        _settings = config_mod.load(args.config, overrides)
+    except config_mod.ConfigError as exc:
+        sys.exit(f"error: {exc}")
+    _setup_logging(_settings["server.log_file"], args.verbose)
+    app.config["token"] = args.token
+    app.config["no_auth"] = args.no_auth and not args.token
+    try:
+        get_kernel()
+    except StoreError as exc:
+        sys.exit(f"error: {exc}")
+    serve(host.strip("[]"), int(port), _settings)
+
+
+def _setup_logging(log_file, verbose):
+    """Logs go to the log file, or to stderr with --verbose; otherwise nowhere."""
+    handlers = []
+    if log_file:
+        handlers.append(logging.FileHandler(log_file))
+    if verbose:
+        handlers.append(logging.StreamHandler(sys.stderr))
+    if not handlers:
+        handlers.append(logging.NullHandler())
+    logging.basicConfig(level=logging.INFO, handlers=handlers,
+                        format="%(asctime)s %(levelname)s %(message)s")
+
+
+def serve(host, port, s):
+    """Run cheroot until SIGTERM or Ctrl-C, then stop the workers."""
+    from cheroot import wsgi
+    server = wsgi.Server((host, port), app, numthreads=s["server.server_threads"],
+                         timeout=s["server.socket_timeout_s"])
+    if s["server.certfile"] or s["server.keyfile"]:
+        from cheroot.ssl.builtin import BuiltinSSLAdapter
+        server.ssl_adapter = BuiltinSSLAdapter(s["server.certfile"], s["server.keyfile"])
+
+    def stop(*_):
+        """Leave the serving loop from the main thread (once)."""
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        raise SystemExit(0)
+
+    signal.signal(signal.SIGTERM, stop)
+    try:
+        server.start()
+    except (KeyboardInterrupt, SystemExit):
+        pass
+    finally:
+        # Workers first: a request waiting on one then ends at once.
+        _kernel.close()
+        server.stop()
+
+
+if __name__ == "__main__":
+    main()
