@@ -115,7 +115,7 @@ def zygote_main(sock_path, settings):
     _prctl(_PR_SET_CHILD_SUBREAPER, 1)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     os.environ["MPLBACKEND"] = "Agg"
-    _warm_imports()
+    _warm_imports(settings)
     namespace = _fresh_main()
     proc = Process(sock_path, settings)
     proc.connect({"role": "zygote"})
@@ -137,7 +137,7 @@ def zygote_main(sock_path, settings):
                 holder.run_restored(msg["req"])
 
 
-def _warm_imports():
+def _warm_imports(settings):
     """Import what cells commonly use, once, so every fork starts warm."""
     for name in ("numpy", "pandas", "matplotlib", "matplotlib.pyplot", "kernel.cell",
                  "dill", "lmdb", "zstandard", "IPython"):
@@ -145,6 +145,11 @@ def _warm_imports():
             __import__(name)
         except Exception:
             pass
+    from kernel import outputs
+    from kernel.cell import compile_cell, run_cell
+    outputs.warm()
+    # A throwaway cell pays every first-run cost here, once, instead of in each child.
+    run_cell(compile_cell("_w = [1]\n_w", 0), {"__builtins__": __builtins__}, 0, settings)
 
 
 def _become_worker():
@@ -275,9 +280,11 @@ class Holder(Process):
 
     def warm(self):
         """Touch what a cell run touches, so its pages are copied before the cell."""
+        from kernel.cell import compile_cell, run_cell
         from storage import serializer
-        exec(compile("_warm = [1, 2]\n", "<warm>", "exec"), {})
-        serializer.dumps([{"warm": [1.0, "x"]}], self.namespace)
+        scratch = {"__builtins__": self.namespace["__builtins__"]}
+        run_cell(compile_cell("_w = [1.0, 'x']\n_w", 0), scratch, 0, self.settings)
+        serializer.dumps([scratch["_w"]], self.namespace)
         self.store()
 
     # Child: run one cell ---------------------------------------------------
