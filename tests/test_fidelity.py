@@ -112,20 +112,33 @@ def compare_cell(index, source, expected, actual, actual_error):
     return None
 
 
-def run_in_jupyter(path):
-    """Execute a notebook through ipykernel; return its cells' sources and outputs."""
+def run_in_jupyter(paths):
+    """Execute notebooks through ipykernel, a few at once; {path: [(source, outputs)]}."""
+    import asyncio
+
     from nbclient import NotebookClient
-    nb = nbformat.read(path, as_version=4)
-    client = NotebookClient(nb, timeout=120, kernel_name="python3", allow_errors=True,
-                            resources={"metadata": {"path": HERE}})
-    # Jupyter's own default backend (inline), not the Agg a test run may set.
-    saved = os.environ.pop("MPLBACKEND", None)
+
+    async def one(path, gate):
+        """Run one notebook when a slot is free."""
+        async with gate:
+            nb = nbformat.read(path, as_version=4)
+            client = NotebookClient(nb, timeout=120, kernel_name="python3", allow_errors=True,
+                                    resources={"metadata": {"path": HERE}})
+            await client.async_execute()
+            return path, [(c.source, c.outputs) for c in nb.cells if c.cell_type == "code"]
+
+    async def run_all():
+        """All notebooks, at most three kernels at a time."""
+        gate = asyncio.Semaphore(3)
+        return dict(await asyncio.gather(*(one(p, gate) for p in paths)))
+
+    # The kernels get Jupyter's own settings: the inline backend rather than the Agg a
+    # test run may set, and fd-level capture, which ipykernel turns off under pytest.
+    saved = {k: os.environ.pop(k) for k in ("MPLBACKEND", "PYTEST_CURRENT_TEST") if k in os.environ}
     try:
-        client.execute()
+        return asyncio.run(run_all())
     finally:
-        if saved is not None:
-            os.environ["MPLBACKEND"] = saved
-    return [(c.source, c.outputs) for c in nb.cells if c.cell_type == "code"]
+        os.environ.update(saved)
 
 
 def compare_notebook(jupyter_cells, run):
@@ -162,17 +175,10 @@ def run_on_server(server):
 
 @pytest.fixture(scope="module")
 def jupyter_runs():
-    """Every notebook executed once through ipykernel (cached for the module)."""
+    """Every notebook executed once through ipykernel (for the whole module)."""
     pytest.importorskip("nbclient")
     pytest.importorskip("ipykernel")
-    return {}
-
-
-def _jupyter(jupyter_runs, path):
-    """Jupyter's outputs of one notebook, computed once."""
-    if path not in jupyter_runs:
-        jupyter_runs[path] = run_in_jupyter(path)
-    return jupyter_runs[path]
+    return run_in_jupyter(NOTEBOOKS)
 
 
 def test_there_are_enough_notebooks():
@@ -183,6 +189,6 @@ def test_there_are_enough_notebooks():
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: os.path.basename(p)[:-6])
 def test_notebook_matches_jupyter(path, jupyter_runs, server):
     """Cell by cell, the server shows what Jupyter shows."""
-    cells = _jupyter(jupyter_runs, path)
+    cells = jupyter_runs[path]
     diffs = compare_notebook(cells, run_on_server(server))
     assert not diffs, "\n\n".join(diffs)
