@@ -1,0 +1,149 @@
+"""Process model: interrupts, crashing cells, parallel runs, eviction, shutdown."""
+
+import signal
+import threading
+import time
+
+import psutil
+import pytest
+
+
+def run_async(server, body):
+    """POST /execute in a thread; returns (thread, holder list for the answer)."""
+    box = []
+    thread = threading.Thread(target=lambda: box.append(server.post("/execute", body).json()))
+    thread.start()
+    return thread, box
+
+
+def wait_running(server, exec_id, timeout=10):
+    """Interrupt only once the exec_id is really running (a 409 tells us so)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        r = server.post("/execute", {"code": "1", "exec_id": exec_id, "state_name": "initial"})
+        if r.status_code == 409:
+            return
+        time.sleep(0.05)
+    raise AssertionError("the execution never started")
+
+
+def test_interrupt_stops_sleep_quickly(server):
+    server.execute("x = 1", new="proc-int")
+    body = {"code": "import time\ntime.sleep(60)", "exec_id": "sleeper",
+            "state_name": "proc-int", "new_state_name": "proc-int2"}
+    thread, box = run_async(server, body)
+    wait_running(server, "sleeper")
+    start = time.monotonic()
+    assert server.post("/interrupt", {"exec_id": "sleeper"}).json() == {"interrupted": True}
+    thread.join(30)
+    assert time.monotonic() - start < 1.0
+    assert box[0]["error"]["ename"] == "KeyboardInterrupt"
+    assert box[0]["state_name"] is None
+    assert "proc-int2" not in server.get("/states").json()["states"]
+    assert server.value("proc-int", "x") == "1"
+
+
+def test_interrupt_escalates_to_sigkill(server):
+    code = "import signal, time\nsignal.signal(signal.SIGINT, signal.SIG_IGN)\ntime.sleep(60)"
+    thread, box = run_async(server, {"code": code, "exec_id": "stubborn",
+                                     "state_name": "initial"})
+    wait_running(server, "stubborn")
+    start = time.monotonic()
+    assert server.post("/interrupt", {"exec_id": "stubborn"}).json()["interrupted"]
+    thread.join(30)
+    assert time.monotonic() - start < 5
+    assert box[0]["error"]["ename"] == "KeyboardInterrupt"
+
+
+@pytest.mark.parametrize("code, expect", [
+    ("import os, signal\nos.kill(os.getpid(), signal.SIGSEGV)", "SIGSEGV"),
+    ("import ctypes\nctypes.string_at(0)", "SIGSEGV"),
+    ("import os\nos._exit(7)", "code 7"),
+    ("import os, signal\nos.kill(os.getpid(), signal.SIGKILL)", "SIGKILL"),
+])
+def test_dying_cell_is_reported_and_server_carries_on(server, code, expect):
+    server.execute("kept = [1, 2]", new="proc-crash")
+    answer = server.execute(code, state="proc-crash", ok=False)
+    assert answer["error"]["ename"] == "WorkerDied"
+    assert expect in answer["error"]["evalue"]
+    assert answer["state_name"] is None
+    assert server.value("proc-crash", "kept") == "[1, 2]"
+    assert server.execute("kept + [3]", state="proc-crash")["error"] is None
+
+
+def test_exec_id_already_running_is_409(server):
+    thread, box = run_async(server, {"code": "import time\ntime.sleep(2)", "exec_id": "dup",
+                                     "state_name": "initial"})
+    wait_running(server, "dup")
+    r = server.post("/execute", {"code": "1", "exec_id": "dup", "state_name": "initial"})
+    assert r.status_code == 409 and r.json()["error"]["type"] == "Conflict"
+    thread.join(30)
+    assert box[0]["error"] is None
+
+
+def test_two_executions_from_one_state_run_in_parallel(server):
+    server.execute("import time", new="proc-par")
+    start = time.monotonic()
+    threads = [run_async(server, {"code": "time.sleep(2)\n'done'", "exec_id": f"par{i}",
+                                  "state_name": "proc-par"}) for i in range(2)]
+    for thread, _ in threads:
+        thread.join(30)
+    assert time.monotonic() - start < 3.5
+    assert all(box[0]["error"] is None for _, box in threads)
+
+
+def test_server_never_forks_and_sigterm_leaves_no_worker(make_server):
+    srv = make_server()
+    srv.execute("x = 1", new="a")
+    srv.execute("import subprocess\np = subprocess.Popen(['sleep', '300'])", state="a",
+                new="b")
+    server_proc = psutil.Process(srv.proc.pid)
+    workers = server_proc.children(recursive=True)
+    assert len(workers) >= 3
+    # Only the zygote is the server's child: it was spawned, every other worker forked from it.
+    direct = server_proc.children()
+    assert len(direct) == 1 and "zygote_main" in " ".join(direct[0].cmdline())
+    stray = [c for c in workers if c.name() == "sleep"]
+    assert stray
+    srv.stop(signal.SIGTERM)
+    assert srv.proc.returncode == 0
+    gone, alive = psutil.wait_procs(workers, timeout=10)
+    assert not alive, [p.pid for p in alive]
+
+
+def test_ctrl_c_stops_cleanly(make_server):
+    srv = make_server()
+    srv.execute("y = 2", new="c")
+    workers = psutil.Process(srv.proc.pid).children(recursive=True)
+    srv.stop(signal.SIGINT)
+    assert srv.proc.returncode == 0
+    _, alive = psutil.wait_procs(workers, timeout=10)
+    assert not alive
+
+
+def test_lru_eviction_and_restore_with_identical_values(make_server):
+    srv = make_server(config="[workers]\nmax_live_states = 2\n")
+    srv.execute("import numpy as np\narr = np.arange(5) * 1.5\nfirst = {'k': [1, 2]}\n"
+                "alias = first['k']\ndef f():\n    return first['k'][0] + len(arr)",
+                new="s0")
+    hashes = srv.post("/symbol_hashes", {"state_name": "s0",
+                                         "symbols": ["arr", "first", "alias"]}).json()
+    for i in range(1, 4):
+        srv.execute(f"v{i} = {i}", new=f"s{i}")
+    live = [n for n in srv.get("/states").json()["states"]
+            if srv.get(f"/states/{n}").json()["live"]]
+    assert "s0" not in live and len(live) <= 2
+    assert srv.value("s0", "arr.tolist(), first, alias is first['k'], f()") \
+        == "([0.0, 1.5, 3.0, 4.5, 6.0], {'k': [1, 2]}, True, 6)"
+    again = srv.post("/symbol_hashes", {"state_name": "s0",
+                                        "symbols": ["arr", "first", "alias"]}).json()
+    assert again == hashes
+
+
+def test_memory_bound_evicts(make_server):
+    srv = make_server(config="[workers]\nmax_live_memory_mb = 300\n")
+    srv.execute("import numpy as np\nbig = np.ones(40_000_000)", new="m1")
+    srv.execute("import numpy as np\nbig = np.ones(40_000_000)", new="m2")
+    assert not srv.get("/states/m1").json()["live"]
+    assert srv.value("m1", "float(big.sum())") == "40000000.0"
+
