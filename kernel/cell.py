@@ -188,6 +188,7 @@ def _compile(source, execution_count):
 # -- errors -----------------------------------------------------------------
 
 _RULE = "-" * 75
+_SHOWN_REPEATS = 3  # identical consecutive frames shown before they are counted instead
 
 
 def _cell_label(filename):
@@ -253,13 +254,27 @@ def _format_one(exc, execution_count):
     """Traceback chunks of one exception (without its cause or context)."""
     chunks = [_RULE, f"{type(exc).__name__:<42}Traceback (most recent call last)"]
     tb = exc.__traceback__
+    last_key, repeats = None, 0
     while tb is not None:
         frame, lineno = tb.tb_frame, tb.tb_lineno
         filename = frame.f_code.co_filename
-        if not _is_kernel_frame(filename):
-            header = _frame_header(frame, filename, lineno, frame.f_code.co_name)
-            chunks.append(header + "\n" + _context(filename, lineno))
         tb = tb.tb_next
+        if _is_kernel_frame(filename):
+            continue
+        # Deep recursion: show a frame a few times, then one line counting the rest.
+        key = (filename, lineno, frame.f_code.co_name)
+        repeats = repeats + 1 if key == last_key else 1
+        last_key = key
+        if repeats > _SHOWN_REPEATS:
+            if repeats == _SHOWN_REPEATS + 1:
+                chunks.append(None)
+            chunks[-1] = (key, repeats - _SHOWN_REPEATS)
+            continue
+        header = _frame_header(frame, filename, lineno, frame.f_code.co_name)
+        chunks.append(header + "\n" + _context(filename, lineno))
+    chunks = [c if isinstance(c, str) else
+              f"    [... skipping similar frames: {c[0][2]} at line {c[0][1]} ({c[1]} times)]"
+              for c in chunks]
     if isinstance(exc, SyntaxError) and exc.filename:
         chunks.append(_syntax_block(exc))
     chunks.append(_exception_only(exc))
@@ -400,7 +415,22 @@ def run_cell(cell, namespace, execution_count, settings):
             with contextlib.suppress(BaseException):
                 manager.__exit__(None, None, None)
     result = collector.result() if collector is not None else []
-    return result, error
+    return result, _cap_error(error, outputs.setting(settings, "display.max_mime_chars"))
+
+
+def _cap_error(error, limit):
+    """Cut an enormous exception message or traceback entry, with a visible marker."""
+    if error is None:
+        return None
+
+    def cut(text):
+        """One string cut to the limit."""
+        if len(text) <= limit:
+            return text
+        return text[:limit] + f"\n[truncated: {len(text) - limit:,} more characters]"
+
+    return {"ename": error["ename"], "evalue": cut(error["evalue"]),
+            "traceback": [cut(t) for t in error["traceback"]]}
 
 
 def _safe_error(exc, execution_count):

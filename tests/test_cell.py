@@ -162,3 +162,19 @@ def test_dunder_main_and_name():
     """__name__ is '__main__' in a cell, so `if __name__ == '__main__'` runs."""
     (r,) = run("if __name__ == '__main__':\n    print('main')")
     assert texts(r["outputs"]) == [("stdout", "main\n")]
+
+
+def test_deep_recursion_traceback_is_collapsed_and_huge_messages_cut():
+    """Repeated frames are counted, not repeated; an enormous message is cut with a marker."""
+    r = run("def f(n):\n    return f(n + 1)\nf(0)", "raise ValueError('v' * 5000)",
+            settings={"display.max_mime_chars": 1000})
+    tb = r[0]["error"]["traceback"]
+    assert len(tb) < 12 and "skipping similar frames: f at line 2" in tb[-2]
+    assert len(r[1]["error"]["evalue"]) < 1100 and "truncated" in r[1]["error"]["evalue"]
+
+
+def test_indented_and_prompted_cells_as_in_jupyter():
+    """An indented first line is dedented and pasted >>> prompts are removed, as IPython does."""
+    r = run("    x = 1\n    x + 1", ">>> y = 2\n>>> y * 2")
+    assert r[0]["outputs"][0]["data"]["text/plain"] == "2"
+    assert r[1]["outputs"][0]["data"]["text/plain"] == "4"
