@@ -8,6 +8,7 @@ none. Any process may open the store, but an LMDB handle must not cross a
 fork: `Store.for_process` hands each process its own.
 """
 
+import fcntl
 import json
 import os
 
@@ -179,3 +180,25 @@ def referenced_blobs(manifest):
         keys.add(group["key"])
         keys.update(group["buffers"])
     return keys
+
+
+# Server lock ---------------------------------------------------------------
+
+SERVER_LOCK = "server.lock"
+
+
+def try_server_lock(data_dir):
+    """Take the exclusive server lock of `data_dir` without waiting.
+
+    The same flock a running server holds on `<data_dir>/server.lock` (see
+    main.py ServerLock). Returns the open lock file, which keeps the lock
+    until it is closed, or None when another process (a server) holds it.
+    Operator tools that write the store take it so no server starts meanwhile.
+    """
+    lock = open(os.path.join(data_dir, SERVER_LOCK), "a+")
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        lock.close()
+        return None
+    return lock

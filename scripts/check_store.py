@@ -1,0 +1,189 @@
+"""Verify a snapshot-kernel store: every manifest's blobs exist and are intact.
+
+Run from the repository root (a server may keep running meanwhile: the
+store is opened read-only, and LMDB lets readers work beside the writer):
+
+    python scripts/check_store.py [--data-dir DIR]
+
+For every state it checks that the manifest parses and that each blob its
+alias groups refer to (payload and out-of-band buffers) is in the store.
+Every blob in the store is then decompressed and hashed: its SHA-256 must
+equal its key. A corrupt blob is an error even when no state refers to it,
+because blobs are content-addressed and written once: a later state with
+the same value would reuse the damaged copy. Blobs no state refers to are
+reported as information (scripts/gc_states.py removes them).
+
+Exit status: 0 the store is sound, 1 problems were found (each printed as
+state, group members, blob key, problem) or the store cannot be opened,
+2 bad arguments or no store at that path.
+"""
+
+import os
+import sys
+
+# Run as `python scripts/check_store.py`: make `storage` and `kernel` importable.
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+
+import argparse  # noqa: E402
+import hashlib  # noqa: E402
+import json  # noqa: E402
+
+import lmdb  # noqa: E402
+
+from kernel import config as config_mod  # noqa: E402
+from storage.store import Store, StoreError  # noqa: E402
+
+DATA_FILE = "data.mdb"
+_LISTED = 20  # unreferenced blobs listed by key; the rest are only counted
+
+
+def parse_args(argv):
+    """The command line."""
+    p = argparse.ArgumentParser(
+        prog="check_store.py",
+        description="Check that every state's blobs exist and hash (SHA-256 of the "
+                    "decompressed payload) to their keys. Exit 0 if sound, 1 with the list "
+                    "of problems. Safe while a server runs (read-only).")
+    p.add_argument("--data-dir", help="folder of the store (default: server.data_dir of the "
+                                      "configuration)")
+    p.add_argument("--config", help="a TOML file overriding config.toml (for the default "
+                                    "data_dir)")
+    return p.parse_args(argv)
+
+
+def read_snapshot(store):
+    """({state: raw manifest bytes}, [blob key bytes]) from one read transaction.
+
+    One transaction gives a consistent view while a server keeps writing:
+    no state appears without its blobs.
+    """
+    with store.env.begin() as txn:
+        manifests = {bytes(k).decode("utf-8", "replace"): bytes(v)
+                     for k, v in txn.cursor(db=store.states)}
+        keys = [bytes(k) for k in txn.cursor(db=store.blobs).iternext(values=False)]
+    return manifests, keys
+
+
+def blob_problem(store, key):
+    """None if blob `key` (hex) is present and hashes to its key, else what is wrong."""
+    try:
+        data = store.blob(key)
+    except StoreError:
+        return "missing from the store"
+    except Exception as exc:  # zstd errors and the like: the record is damaged
+        return f"cannot be decompressed ({type(exc).__name__}: {exc})"
+    digest = hashlib.sha256(data).hexdigest()
+    if digest != key:
+        return f"corrupt: its content hashes to {digest}"
+    return None
+
+
+def group_refs(name, manifest, problems):
+    """[(members, role, key)] of a manifest's groups; malformed entries go to `problems`."""
+    refs = []
+    groups = manifest.get("groups") if isinstance(manifest, dict) else None
+    if not isinstance(groups, list):
+        problems.append((name, "-", "-", "manifest has no list of groups"))
+        return refs
+    for index, group in enumerate(groups):
+        members = group.get("members") if isinstance(group, dict) else None
+        label = ", ".join(map(str, members)) if isinstance(members, list) else f"#{index}"
+        if not isinstance(group, dict) or not isinstance(group.get("buffers", []), list):
+            problems.append((name, label, "-", "malformed group entry"))
+            continue
+        for role, key in [("payload", group.get("key")),
+                          *((f"buffer {i}", k) for i, k in enumerate(group["buffers"]))]:
+            if not _is_key(key):
+                problems.append((name, label, str(key), f"{role} key is not a SHA-256 hex"))
+            else:
+                refs.append((label, role, key))
+    return refs
+
+
+def _is_key(key):
+    """True for a 64-digit lowercase hex SHA-256."""
+    return (isinstance(key, str) and len(key) == 64
+            and all(c in "0123456789abcdef" for c in key))
+
+
+def check(store, out=print):
+    """Check the store, print the findings; returns the exit status (0 or 1)."""
+    raw_manifests, raw_keys = read_snapshot(store)
+    problems = []  # (state, group members, key, problem)
+    referenced = {}  # key -> [(state, members, role)]
+    for name, raw in sorted(raw_manifests.items()):
+        try:
+            manifest = json.loads(raw)
+        except ValueError as exc:
+            problems.append((name, "-", "-", f"manifest is not valid JSON ({exc})"))
+            continue
+        for members, role, key in group_refs(name, manifest, problems):
+            referenced.setdefault(key, []).append((name, members, role))
+    verdicts = {}
+    for key, users in sorted(referenced.items()):
+        verdicts[key] = blob_problem(store, key)
+        if verdicts[key]:
+            for name, members, role in users:
+                problems.append((name, members, key, f"{role} blob {verdicts[key]}"))
+    unreferenced = []
+    for raw_key in raw_keys:
+        if len(raw_key) != 32:
+            problems.append(("-", "-", raw_key.hex(), "blob key is not a SHA-256"))
+            continue
+        key = raw_key.hex()
+        if key in referenced:
+            continue
+        unreferenced.append(key)
+        problem = blob_problem(store, key)
+        if problem:
+            # Not used now, but a later state with the same value would reuse it.
+            problems.append(("-", "-", key, f"unreferenced blob {problem}"))
+    out(f"checked {len(raw_manifests)} state(s), {len(referenced)} referenced blob(s), "
+        f"{len(raw_keys)} blob(s) in {store.path}")
+    if unreferenced:
+        out(f"info: {len(unreferenced)} blob(s) no state references "
+            f"(scripts/gc_states.py removes them):")
+        for key in unreferenced[:_LISTED]:
+            out(f"  {key}")
+        if len(unreferenced) > _LISTED:
+            out(f"  ... and {len(unreferenced) - _LISTED} more")
+    if not problems:
+        out("OK: every manifest's blobs are present and hash to their keys")
+        return 0
+    out(f"{len(problems)} problem(s):")
+    for name, members, key, problem in problems:
+        out(f"  state {name!r}  group [{members}]  blob {key}: {problem}")
+    return 1
+
+
+def main(argv=None):
+    """Command-line entry point; returns the exit status."""
+    args = parse_args(argv)
+    try:
+        settings = config_mod.load(args.config)
+    except config_mod.ConfigError as exc:
+        print(f"check_store.py: error: {exc}", file=sys.stderr)
+        return 2
+    data_dir = os.path.abspath(args.data_dir or settings["server.data_dir"])
+    if not os.path.isfile(os.path.join(data_dir, DATA_FILE)):
+        print(f"check_store.py: error: no store at {data_dir} (no {DATA_FILE} there); "
+              f"pass --data-dir", file=sys.stderr)
+        return 2
+    try:
+        store = Store(data_dir, readonly=True)
+    except StoreError as exc:
+        print(f"check_store.py: error: {exc}", file=sys.stderr)
+        return 1
+    try:
+        return check(store)
+    except lmdb.Error as exc:
+        print(f"check_store.py: error: reading {data_dir} failed: {exc}", file=sys.stderr)
+        return 1
+    finally:
+        store.env.close()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

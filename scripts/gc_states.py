@@ -1,0 +1,337 @@
+"""Delete states by rule, then the blobs no state references; optionally compact.
+
+Run from the repository root, with no server running on the store:
+
+    python scripts/gc_states.py [--data-dir DIR] [RULES] [--dry-run] [--compact]
+
+How the rules combine:
+
+* The selection rules are --older-than, --match and --unreachable. A state
+  is deleted when it matches EVERY selection rule given (they narrow each
+  other: `--match 'tmp-*' --older-than 7d` deletes the tmp-* states older
+  than a week). Several --match patterns widen that one rule: a name
+  matches if it matches any of them.
+* --keep-last N protects the N newest states (by creation time) among those
+  in scope, where the scope is the states --match selects, or every state
+  without --match. Given with no selection rule it deletes everything in
+  scope but the newest N.
+* The state `initial` is never deleted and never counts towards N.
+* With no rule at all, no state is deleted: only blobs no manifest
+  references (left behind by DELETE /states/NAME, rebound names and
+  interrupted writes) are removed.
+
+Manifests go first, then the unreferenced blobs, each in one transaction,
+so an interruption leaves at worst blobs that the next run removes. LMDB
+reuses freed pages but never shrinks its file; --compact writes a compacted
+copy and swaps it in. Exit status: 0 done, 1 the store cannot be used,
+2 bad arguments or a server is running on the store.
+"""
+
+import os
+import sys
+
+# Run as `python scripts/gc_states.py`: make `storage` and `kernel` importable.
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+
+import argparse  # noqa: E402
+import datetime  # noqa: E402
+import fnmatch  # noqa: E402
+import re  # noqa: E402
+import shutil  # noqa: E402
+
+import lmdb  # noqa: E402
+
+from kernel import config as config_mod  # noqa: E402
+from storage.store import (Store, StoreError, referenced_blobs,  # noqa: E402
+                           try_server_lock)
+
+INITIAL = "initial"
+DATA_FILE = "data.mdb"
+LOCK_FILE = "lock.mdb"
+_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
+_AGE = re.compile(r"(\d+(?:\.\d+)?)([smhdw])")
+
+
+class Refused(Exception):
+    """The script will not run (server running, no store): exit status 2."""
+
+
+def parse_age(text):
+    """A duration such as 30m, 12h, 7d or 2w, as a timedelta (argparse type)."""
+    match = _AGE.fullmatch(text.strip().lower())
+    if not match:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not an age: give a number and a unit, s m h d or w "
+            f"(e.g. 30m, 12h, 7d)")
+    try:
+        return datetime.timedelta(seconds=float(match[1]) * _UNITS[match[2]])
+    except OverflowError:
+        raise argparse.ArgumentTypeError(f"{text!r} is too long an age") from None
+
+
+def parse_count(text):
+    """A whole number >= 0 (argparse type)."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number >= 0")
+    return value
+
+
+def parse_args(argv):
+    """The command line; argparse reports bad arguments with exit status 2."""
+    p = argparse.ArgumentParser(
+        prog="gc_states.py",
+        description="Delete snapshot-kernel states by rule, then every blob no remaining "
+                    "state references. A state is deleted when it matches every selection "
+                    "rule given (--older-than, --match, --unreachable); --keep-last protects "
+                    "the newest states. 'initial' is never deleted. With no rule, only "
+                    "unreferenced blobs are deleted. Refuses (exit 2) while a server runs "
+                    "on the store.",
+        epilog="Examples: --unreachable --older-than 1d; --match 'scratch-*' --keep-last 5; "
+               "--older-than 30d --dry-run; --compact (blobs only, then shrink the file).")
+    p.add_argument("--data-dir", help="folder of the store (default: server.data_dir of the "
+                                      "configuration)")
+    p.add_argument("--config", help="a TOML file overriding config.toml (for the default "
+                                    "data_dir and max_store_gb)")
+    p.add_argument("--older-than", type=parse_age, metavar="AGE",
+                   help="select states created more than AGE ago (30m, 12h, 7d, 2w)")
+    p.add_argument("--match", action="append", metavar="PATTERN",
+                   help="select states whose name matches this glob (* ? [abc]; "
+                        "case-sensitive); repeat to select several patterns")
+    p.add_argument("--unreachable", action="store_true",
+                   help="select auto-named states (made without new_state_name, so the "
+                        "server named them with a uuid) from which no named state "
+                        "descends, following parent_id links: intermediate results nothing "
+                        "named leads back to. Named states and the auto-named ancestors "
+                        "of a named state are kept")
+    p.add_argument("--keep-last", type=parse_count, metavar="N",
+                   help="never delete the N newest states in scope (those --match selects, "
+                        "or all states); alone, delete all but the newest N")
+    p.add_argument("--dry-run", action="store_true",
+                   help="print what would be deleted and freed; change nothing")
+    p.add_argument("--compact", action="store_true",
+                   help="after deleting, rewrite the LMDB file compacted and swap it in "
+                        "(shrinks the file; needs free disk space for the copy)")
+    return p.parse_args(argv)
+
+
+def created_at(manifest):
+    """The creation time of a state as an aware datetime, or None if unreadable."""
+    text = manifest.get("created") or manifest.get("timestamp")
+    try:
+        when = datetime.datetime.fromisoformat(text)
+    except (TypeError, ValueError):
+        return None
+    if when.tzinfo is None:
+        # Manifests record UTC; an offset-less time is taken as UTC too.
+        when = when.replace(tzinfo=datetime.timezone.utc)
+    return when
+
+
+def _order_key(item):
+    """Sort key oldest-first; states without a readable time count as oldest."""
+    name, manifest = item
+    when = created_at(manifest)
+    return (when is not None, when or datetime.datetime.min, name)
+
+
+def reachable_ids(manifests):
+    """Ids of every named state and of every state a named state descends from."""
+    by_id = {m.get("id"): m for m in manifests.values()}
+    reached = set()
+    for manifest in manifests.values():
+        if manifest.get("auto_named"):
+            continue
+        current = manifest
+        # Walk up parent_id; the `reached` test also stops on a (corrupt) cycle.
+        while current is not None and current.get("id") not in reached:
+            reached.add(current.get("id"))
+            current = by_id.get(current.get("parent_id"))
+    return reached
+
+
+def select(manifests, args, now):
+    """The names of the states the rules delete, oldest first."""
+    candidates = {n: m for n, m in manifests.items() if n != INITIAL}
+    if args.match:
+        candidates = {n: m for n, m in candidates.items()
+                      if any(fnmatch.fnmatchcase(n, p) for p in args.match)}
+    in_scope = sorted(candidates.items(), key=_order_key)
+    if args.keep_last is not None and args.keep_last > 0:
+        protected = {n for n, _ in in_scope[-args.keep_last:]}
+        candidates = {n: m for n, m in candidates.items() if n not in protected}
+    if args.older_than is not None:
+        try:
+            cutoff = now - args.older_than
+        except OverflowError:
+            cutoff = datetime.datetime.min.replace(tzinfo=datetime.timezone.utc)
+        # A state whose time cannot be read is never taken as old.
+        candidates = {n: m for n, m in candidates.items()
+                      if (created_at(m) or now) < cutoff}
+    if args.unreachable:
+        reached = reachable_ids(manifests)
+        candidates = {n: m for n, m in candidates.items()
+                      if m.get("auto_named") and m.get("id") not in reached}
+    return [n for n, _ in in_scope if n in candidates]
+
+
+def stored_sizes(store, keys):
+    """{key: bytes as stored} for the blobs among `keys` present in the store."""
+    sizes = {}
+    with store.env.begin(db=store.blobs, buffers=True) as txn:
+        for key in keys:
+            raw = txn.get(bytes.fromhex(key))
+            if raw is not None:
+                sizes[key] = len(raw)
+    return sizes
+
+
+def human(size):
+    """A byte count for people (1.5 MiB), with the exact count."""
+    value = float(size)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if value < 1024 or unit == "TiB":
+            text = f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
+            return f"{text} ({size} bytes)" if unit != "B" else text
+        value /= 1024
+    return f"{size} bytes"
+
+
+def compact(store, data_dir):
+    """Copy the environment compacted and swap the copy in (closes `store`).
+
+    The caller holds the server lock. The copy is made and checked in a
+    temporary folder inside data_dir (same file system, so the swap is an
+    atomic rename); until that rename the original file is untouched.
+    """
+    path = store.path
+    tmp = os.path.join(data_dir, ".compact-tmp")
+    shutil.rmtree(tmp, ignore_errors=True)  # left by an interrupted run; we hold the lock
+    os.mkdir(tmp)
+    try:
+        expected = len(store.manifests())
+        store.env.copy(tmp, compact=True)
+        copy = Store(tmp, readonly=True)
+        try:
+            if len(copy.manifests()) != expected:
+                raise StoreError(f"the compacted copy in {tmp} lost states; the store "
+                                 f"at {path} was left as it was")
+        finally:
+            copy.env.close()
+        with open(os.path.join(tmp, DATA_FILE), "rb") as f:
+            os.fsync(f.fileno())
+        store.env.close()
+        os.replace(os.path.join(tmp, DATA_FILE), os.path.join(path, DATA_FILE))
+        # The old lock file caches the old file's transaction id; LMDB must
+        # build a fresh one from the new file, so remove it.
+        try:
+            os.unlink(os.path.join(path, LOCK_FILE))
+        except FileNotFoundError:
+            pass
+        dir_fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(dir_fd)
+        finally:
+            os.close(dir_fd)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    # Prove the swapped-in file opens as a store before reporting success.
+    Store(path, readonly=True).env.close()
+
+
+def file_size(data_dir):
+    """Size of the LMDB data file in bytes."""
+    return os.path.getsize(os.path.join(data_dir, DATA_FILE))
+
+
+def run(args, out=print):
+    """Apply the rules to the store; returns the exit status."""
+    try:
+        settings = config_mod.load(args.config)
+    except config_mod.ConfigError as exc:
+        raise Refused(str(exc)) from None
+    data_dir = os.path.abspath(args.data_dir or settings["server.data_dir"])
+    if not os.path.isfile(os.path.join(data_dir, DATA_FILE)):
+        raise Refused(f"no store at {data_dir} (no {DATA_FILE} there); pass --data-dir")
+    lock = try_server_lock(data_dir)
+    if lock is None:
+        raise Refused(f"a server is running on the store at {data_dir} (it holds "
+                      f"{os.path.join(data_dir, 'server.lock')}); stop it first, then rerun")
+    try:
+        # A dry run opens the store read-only: it cannot change a byte.
+        store = Store(data_dir, max_store_gb=settings["store.max_store_gb"],
+                      readonly=args.dry_run)
+        try:
+            return _collect(store, data_dir, args, out)
+        finally:
+            store.env.close()
+    finally:
+        lock.close()
+
+
+def _collect(store, data_dir, args, out):
+    """Delete (or, dry, count) states and blobs, then compact; print the result."""
+    verb = "would delete" if args.dry_run else "deleted"
+    manifests = store.manifests()
+    rules = (args.older_than is not None or args.match or args.unreachable
+             or args.keep_last is not None)
+    if rules:
+        doomed = select(manifests, args, datetime.datetime.now(datetime.timezone.utc))
+    else:
+        doomed = []
+        out("no selection rule given: no state is deleted, only blobs no state references")
+    kept = {n: m for n, m in manifests.items() if n not in set(doomed)}
+    referenced = set()
+    for manifest in kept.values():
+        referenced |= referenced_blobs(manifest)
+    orphans = [k for k in store.blob_keys() if k not in referenced]
+    out(f"{verb} {len(doomed)} state(s) of {len(manifests)}" + (":" if doomed else ""))
+    for name in doomed:
+        out(f"  {name}  (created {manifests[name].get('created', '?')})")
+    if args.dry_run:
+        freed = sum(stored_sizes(store, orphans).values())
+    else:
+        # Manifests first: a crash in between leaves only unreferenced blobs.
+        store.delete_states(doomed)
+        freed = store.delete_blobs(orphans)
+    out(f"{verb} {len(orphans)} blob(s), freeing {human(freed)} of blob data")
+    out(f"{len(kept)} state(s) and {len(referenced)} blob(s) remain")
+    if args.compact:
+        before = file_size(data_dir)
+        if args.dry_run:
+            out(f"would compact {os.path.join(data_dir, DATA_FILE)} ({human(before)} now)")
+        else:
+            compact(store, data_dir)
+            after = file_size(data_dir)
+            out(f"compacted {os.path.join(data_dir, DATA_FILE)}: {human(before)} -> "
+                f"{human(after)}")
+    elif freed and not args.dry_run:
+        out("the file keeps its size (LMDB reuses the freed pages); --compact shrinks it")
+    return 0
+
+
+def main(argv=None):
+    """Command-line entry point; returns the exit status."""
+    args = parse_args(argv)
+    try:
+        return run(args)
+    except Refused as exc:
+        print(f"gc_states.py: refused: {exc}", file=sys.stderr)
+        return 2
+    except (StoreError, lmdb.Error, OSError) as exc:
+        print(f"gc_states.py: error: {exc}", file=sys.stderr)
+        return 1
+    except (ValueError, KeyError, TypeError) as exc:
+        # A malformed manifest: stop before deleting anything it might reference.
+        print(f"gc_states.py: error: a manifest cannot be read ({type(exc).__name__}: "
+              f"{exc}); nothing was deleted. Run scripts/check_store.py", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
