@@ -25,6 +25,7 @@ import builtins
 import codecs
 import contextlib
 import ctypes
+import getpass
 import io
 import json
 import os
@@ -331,6 +332,11 @@ class StreamProxy(io.TextIOBase):
     def flush(self):
         """Nothing is buffered here."""
 
+    @property
+    def buffer(self):
+        """A binary view (sys.stdout.buffer.write(b"...")), decoded as UTF-8."""
+        return _BinaryProxy(self)
+
     def write(self, text):
         """Send text to the running cell's outputs."""
         if not isinstance(text, str):
@@ -343,6 +349,30 @@ class StreamProxy(io.TextIOBase):
             if target is not None and target is not self:
                 target.write(text)
         return len(text)
+
+
+class _BinaryProxy(io.RawIOBase):
+    """The `.buffer` of a StreamProxy: bytes in, text to the proxy."""
+
+    def __init__(self, text_stream):
+        """Wrap `text_stream`."""
+        super().__init__()
+        self._text = text_stream
+        self._decoder = codecs.getincrementaldecoder("utf-8")("replace")
+
+    def writable(self):
+        """Always writable."""
+        return True
+
+    def fileno(self):
+        """The captured fd of the text stream."""
+        return self._text.fileno()
+
+    def write(self, data):
+        """Decode and forward bytes."""
+        data = bytes(data)
+        self._text.write(self._decoder.decode(data))
+        return len(data)
 
 
 STDOUT = StreamProxy("stdout", 1)
@@ -831,6 +861,11 @@ def _stdin_error_class():
     return StdinNotImplementedError
 
 
+def _no_getpass(prompt="Password: ", stream=None):
+    """getpass.getpass replacement: no terminal to ask on (it would block on /dev/tty)."""
+    _no_input(prompt)
+
+
 def _no_input(prompt=""):
     """input() replacement: fail at once, the cell cannot be answered."""
     raise _stdin_error_class()(
@@ -856,6 +891,7 @@ def capture(settings=None, execution_count=None, namespace=None):
                       if k in builtins.__dict__}
     shell_ns = None
     fds = None
+    saved_getpass = None
     try:
         fds = FdCapture(collector)
         collector.drain = fds.drain
@@ -863,6 +899,8 @@ def capture(settings=None, execution_count=None, namespace=None):
         sys.stdout, sys.stderr = STDOUT, STDERR
         builtins.display = display
         builtins.input = _no_input
+        saved_getpass = getpass.getpass
+        getpass.getpass = _no_getpass
         if shell is not None:
             shell_ns = (shell.user_ns, shell.user_module)
             if namespace is not None:
@@ -879,6 +917,8 @@ def capture(settings=None, execution_count=None, namespace=None):
             fds.restore()
             _active = None
         sys.stdout, sys.stderr = saved_sys
+        if saved_getpass is not None:
+            getpass.getpass = saved_getpass
         STDOUT.fallback = STDERR.fallback = None
         for name in ("display", "input", "get_ipython"):
             if name in saved_builtins:

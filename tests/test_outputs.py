@@ -42,7 +42,8 @@ def test_streams_and_displays_in_order_with_fd_level_output():
     """Python prints, os.system, child processes, raw fd writes and displays keep their order."""
     outs, err = one(
         "import os, subprocess, sys, ctypes\n"
-        "print('one')\n"
+        "print('one', end='')\n"
+        "sys.stdout.buffer.write(b'\\n')\n"
         "os.system('echo two')\n"
         "subprocess.run(['echo', 'three'])\n"
         "os.write(1, b'four\\n')\n"
