@@ -67,6 +67,7 @@ DISABLE_IPYTHON = False
 _active = None  # the OutputCollector of the running cell, if any
 _shell = None  # the private IPython shell, created on first use
 _libc = None
+_user_figure_formats = [None]  # set by %config InlineBackend.figure_format(s)
 
 
 def setting(settings, key):
@@ -699,6 +700,13 @@ def _make_shell():
     if not isinstance(shell.display_pub, Publisher):
         shell.display_pub = Publisher(shell=shell, parent=shell)
     shell._dir_history = [os.getcwd()]
+    with contextlib.suppress(Exception):
+        # `%config InlineBackend.figure_format = 'retina'` works as in Jupyter.
+        from matplotlib_inline.config import InlineBackend
+        inline = InlineBackend.instance(parent=shell)
+        shell.configurables.append(inline)
+        inline.observe(lambda change: _user_figure_formats.__setitem__(0, set(change["new"])),
+                       names="figure_formats")
     fmt = shell.display_formatter.formatters
     fmt["image/png"].for_type_by_name("matplotlib.figure", "Figure", _figure_mime("image/png"))
     fmt["image/svg+xml"].for_type_by_name("matplotlib.figure", "Figure",
@@ -763,6 +771,9 @@ def figure_bundle(fig, settings=None):
     if not fig.axes and not getattr(fig, "lines", None):
         return data, md
     fmt = setting(settings, "display.figure_format")
+    chosen = _user_figure_formats[0]
+    if chosen:  # the cell's %config InlineBackend wins over the server's setting
+        fmt = "retina" if chosen & {"retina", "png2x"} else "svg" if "svg" in chosen else "png"
     dpi = setting(settings, "display.figure_dpi")
     buf = io.BytesIO()
     if fmt == "svg":

@@ -268,3 +268,12 @@ def test_logging_handler_from_an_earlier_cell_keeps_writing_to_the_cell():
                          "log.addHandler(logging.StreamHandler())\nlog.propagate = False",
                          "log.warning('careful')"])
     assert texts(outputs_of(results[1])) == [("stderr", "careful\n")]
+
+
+def test_config_inline_backend_figure_format():
+    """%config InlineBackend.figure_format = 'svg' switches figures to SVG, as in Jupyter."""
+    r = run_cells(["%config InlineBackend.figure_format = 'svg'",
+                   "import matplotlib.pyplot as plt\nplt.plot([1, 2]);"])
+    assert r[0]["error"] is None, r[0]["error"]
+    (fig,) = outputs_of(r[1])
+    assert "image/svg+xml" in fig["data"] and "image/png" not in fig["data"]
