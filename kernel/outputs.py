@@ -67,6 +67,7 @@ DISABLE_IPYTHON = False
 _active = None  # the OutputCollector of the running cell, if any
 _shell = None  # the private IPython shell, created on first use
 _libc = None
+_PUNCH_BYTES = 1 << 20  # read fd-level output is released from memory in steps of this
 _user_figure_formats = [None]  # set by %config InlineBackend.figure_format(s)
 
 
@@ -408,6 +409,7 @@ class FdCapture:
         self.saved = {}
         self.files = {}
         self.offsets = {}
+        self.punched = {}
         self.decoders = {}
         try:
             for fd in (1, 2):
@@ -444,9 +446,34 @@ class FdCapture:
                 if not chunk:
                     break
                 self.offsets[fd] += len(chunk)
+                if self.collector.truncated:
+                    continue  # past the cell's limit: only keep the file small
                 text = self.decoders[fd].decode(chunk)
                 if text:
                     self.collector.stream(name, text, drain=False)
+            if self.offsets[fd] - self.punched.get(fd, 0) >= _PUNCH_BYTES:
+                self._release(fd)
+
+    def _release(self, fd):
+        """Give the memory of what was read back to the system (the file stays sparse).
+
+        Writers keep appending at their own offset, so only pages already read
+        are dropped: nothing is lost, and a cell printing gigabytes from C code
+        between two Python-level outputs is the only case that holds memory.
+        """
+        start = self.punched.get(fd, 0)
+        end = self.offsets[fd] & ~0xFFF
+        if end <= start:
+            return
+        try:
+            if _libc is None:
+                _fflush()
+            # FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE
+            if _libc.fallocate(self.files[fd], 0x02 | 0x01, ctypes.c_long(start),
+                               ctypes.c_long(end - start)) == 0:
+                self.punched[fd] = end
+        except (AttributeError, OSError, TypeError):
+            self.punched[fd] = end
 
     def restore(self):
         """Read the last fd-level output, then put fds 1 and 2 back exactly."""
