@@ -25,6 +25,7 @@ import builtins
 import codecs
 import contextlib
 import ctypes
+import fcntl
 import getpass
 import io
 import json
@@ -415,7 +416,10 @@ class FdCapture:
             for fd in (1, 2):
                 self.saved[fd] = os.dup(fd)
                 self.files[fd] = self._memfile(fd)
-                self.offsets[fd] = 0
+                self.offsets[fd] = self.punched[fd] = 0
+                # Append mode: writes through a reopened, truncated /dev/stdout leave no holes.
+                fcntl.fcntl(self.files[fd], fcntl.F_SETFL,
+                            fcntl.fcntl(self.files[fd], fcntl.F_GETFL) | os.O_APPEND)
                 self.decoders[fd] = codecs.getincrementaldecoder("utf-8")("replace")
                 os.dup2(self.files[fd], fd)
         except BaseException:
@@ -444,6 +448,11 @@ class FdCapture:
             while True:
                 chunk = os.pread(mem, 1 << 20, self.offsets[fd])
                 if not chunk:
+                    if os.fstat(mem).st_size < self.offsets[fd]:
+                        # A child reopened /dev/stdout with O_TRUNC: the file starts over
+                        # (appends land at its new end), so read it from the start.
+                        self.offsets[fd] = self.punched[fd] = 0
+                        continue
                     break
                 self.offsets[fd] += len(chunk)
                 if self.collector.truncated:
@@ -451,7 +460,7 @@ class FdCapture:
                 text = self.decoders[fd].decode(chunk)
                 if text:
                     self.collector.stream(name, text, drain=False)
-            if self.offsets[fd] - self.punched.get(fd, 0) >= _PUNCH_BYTES:
+            if self.offsets[fd] - self.punched[fd] >= _PUNCH_BYTES:
                 self._release(fd)
 
     def _release(self, fd):
@@ -461,7 +470,7 @@ class FdCapture:
         are dropped: nothing is lost, and a cell printing gigabytes from C code
         between two Python-level outputs is the only case that holds memory.
         """
-        start = self.punched.get(fd, 0)
+        start = self.punched[fd]
         end = self.offsets[fd] & ~0xFFF
         if end <= start:
             return

@@ -277,3 +277,10 @@ def test_config_inline_backend_figure_format():
     assert r[0]["error"] is None, r[0]["error"]
     (fig,) = outputs_of(r[1])
     assert "image/svg+xml" in fig["data"] and "image/png" not in fig["data"]
+
+
+def test_child_reopening_dev_stdout_is_captured():
+    """`cmd > /dev/stdout` (a truncating reopen of fd 1) is still captured, without NULs."""
+    outs, err = one("import os\nprint('a')\nos.system('echo hi > /dev/stdout; echo after')\nprint('b')")
+    assert err is None
+    assert texts(outs) == [("stdout", "a\nhi\nafter\nb\n")]
