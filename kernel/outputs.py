@@ -159,10 +159,9 @@ def cap_bundle(data, max_chars):
             if mime == "text/plain":
                 continue
         notes.append(note)
-    if notes and "text/plain" not in out:
-        out["text/plain"] = "\n".join(notes)
-    elif notes and not all(n in out["text/plain"] for n in notes):
-        out["text/plain"] = out["text/plain"] + "\n" + "\n".join(n for n in notes if n not in out["text/plain"])
+    if notes:
+        plain = out.get("text/plain")
+        out["text/plain"] = "\n".join([plain, *notes] if plain else notes)
     return out
 
 
@@ -702,6 +701,12 @@ def _make_shell():
                             stderr=subprocess.STDOUT)
 
         system_piped = system
+
+        def reset(self, new_session=True, aggressive=False):
+            """%reset: forget the user's names; the namespace gets none of IPython's."""
+            for name in list(self.user_ns):
+                if not (name.startswith("__") and name.endswith("__")):
+                    del self.user_ns[name]
 
         def showtraceback(self, *args, **kwargs):
             """A failing formatter (a broken __repr__) is the cell's error here, not a printout."""

@@ -118,6 +118,13 @@ def test_namespace_holds_only_user_names():
     assert r[1]["user_names"] == ["a", "b"]
 
 
+def test_reset_magic_clears_user_names_only():
+    """%reset -f forgets the user's variables and adds none of IPython's."""
+    r = run("a = 1\nb = 2", "%reset -f", "c = 3")
+    assert r[1]["error"] is None, r[1]["error"]
+    assert r[1]["user_names"] == [] and r[2]["user_names"] == ["c"]
+
+
 def test_ipython_magics_work():
     """%time, %%time, %timeit, !cmd, x = !cmd, %cd, %matplotlib inline, %pip."""
     r = run("%matplotlib inline\n%time t = sum(range(10))\nt",
