@@ -815,7 +815,9 @@ def figure_bundle(fig, settings=None):
     chosen = _user_figure_formats[0]
     if chosen:  # the cell's %config InlineBackend wins over the server's setting
         fmt = "retina" if chosen & {"retina", "png2x"} else "svg" if "svg" in chosen else "png"
-    dpi = setting(settings, "display.figure_dpi")
+    # The figure's own dpi, as in Jupyter: display.figure_dpi is the default of new
+    # figures (rcParams["figure.dpi"]), and plt.figure(dpi=...) still wins.
+    dpi = fig.dpi
     buf = io.BytesIO()
     if fmt == "svg":
         fig.canvas.print_figure(buf, format="svg", bbox_inches="tight", dpi=dpi)
@@ -845,14 +847,23 @@ def use_inline_backend():
         mpl.rcParams["backend"] = MPL_BACKEND
 
 
-def _prepare_matplotlib():
-    """Select the inline backend unless the user chose a backend of their own."""
+_dpi_applied = [None]
+
+
+def _prepare_matplotlib(settings=None):
+    """Select the inline backend (unless the user chose their own) and the default dpi."""
     mpl = sys.modules.get("matplotlib")
     if mpl is None:
         try:
             import matplotlib as mpl
         except Exception:
             return
+    dpi = setting(settings, "display.figure_dpi")
+    if _dpi_applied[0] != dpi:
+        # Once per setting value, so a cell's own rcParams change is kept afterwards.
+        with contextlib.suppress(Exception):
+            mpl.rcParams["figure.dpi"] = dpi
+            _dpi_applied[0] = dpi
     current = mpl.rcParams._get("backend")
     if not isinstance(current, str) or current.lower() in ("agg", "module://matplotlib_inline.backend_inline"):
         with contextlib.suppress(Exception):
@@ -937,7 +948,7 @@ def capture(settings=None, execution_count=None, namespace=None):
     collector = OutputCollector(settings, execution_count)
     shell = get_shell()
     configure_pandas(settings)
-    _prepare_matplotlib()
+    _prepare_matplotlib(settings)
     saved_sys = (sys.stdout, sys.stderr)
     saved_builtins = {k: builtins.__dict__[k] for k in ("display", "input", "get_ipython")
                       if k in builtins.__dict__}

@@ -284,3 +284,15 @@ def test_child_reopening_dev_stdout_is_captured():
     outs, err = one("import os\nprint('a')\nos.system('echo hi > /dev/stdout; echo after')\nprint('b')")
     assert err is None
     assert texts(outs) == [("stdout", "a\nhi\nafter\nb\n")]
+
+
+def test_figure_dpi_setting_is_the_default_and_a_figure_dpi_wins():
+    """display.figure_dpi sets new figures' dpi; plt.figure(dpi=...) overrides it, as in Jupyter."""
+    outs, err = one("import matplotlib.pyplot as plt\n"
+                    "plt.figure(figsize=(4, 2)); plt.plot([1, 2])\n"
+                    "plt.figure(figsize=(4, 2), dpi=100); plt.plot([1, 2]);",
+                    {"display.figure_dpi": 50})
+    assert err is None
+    small, large = (o["metadata"]["image/png"]["width"] for o in outs)
+    assert small < 210 < 300 < large <= 400
+    assert outs[0]["data"]["text/plain"] == "<Figure size 200x100 with 1 Axes>"
