@@ -24,7 +24,6 @@ import linecache
 import os
 import re
 import signal
-import sys
 import tokenize
 
 from kernel import outputs

@@ -44,7 +44,7 @@ def _child(conn, cells, settings, setup):
                 "threads": threading.active_count(),
             })
         conn.send(results)
-    except BaseException as exc:  # report the harness's own failure to the test
+    except BaseException:  # report the harness's own failure to the test
         import traceback
         conn.send({"harness_error": traceback.format_exc()})
     finally:

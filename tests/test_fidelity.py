@@ -192,3 +192,21 @@ def test_notebook_matches_jupyter(path, jupyter_runs, server):
     cells = jupyter_runs[path]
     diffs = compare_notebook(cells, run_on_server(server))
     assert not diffs, "\n\n".join(diffs)
+
+
+def test_comparison_catches_differences():
+    """The comparison is not vacuous: changed text, a missing image or error is reported."""
+    stream = {"output_type": "stream", "name": "stdout", "text": "a\n"}
+    png = base64.b64encode(b"\x89PNG\r\n\x1a\n" + b"0" * 20).decode()
+    fig = {"output_type": "display_data", "data": {"image/png": png, "text/plain": "<Figure>"},
+           "metadata": {}}
+    assert compare_cell(0, "", [stream, fig], [stream, fig], None) is None
+    other = dict(stream, text="b\n")
+    assert "outputs" in compare_cell(0, "", [stream], [other], None)
+    assert "outputs" in compare_cell(0, "", [stream, fig], [stream], None)
+    err = {"output_type": "error", "ename": "ValueError", "evalue": "x", "traceback": []}
+    assert "error" in compare_cell(0, "", [err], [], None)
+    # Volatile parts are masked: addresses and timings.
+    a = dict(stream, text="<object at 0x7f00aa> Wall time: 1.2 ms\n")
+    b = dict(stream, text="<object at 0x7f11bb> Wall time: 3 µs\n")
+    assert compare_cell(0, "", [a], [b], None) is None
