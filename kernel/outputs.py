@@ -31,6 +31,7 @@ import io
 import json
 import os
 import sys
+import threading
 import uuid
 
 DEFAULTS = {
@@ -182,11 +183,17 @@ class OutputCollector:
         self.size = 0
         self.truncated = False
         self.drain = None
+        self.lock = threading.RLock()
         self._clear_pending = False
 
     # -- streams -------------------------------------------------------
     def stream(self, name, text, drain=True):
         """Append stream text, merged with the previous output if it is the same stream."""
+        with self.lock:  # threads of the cell may print at the same time
+            self._stream(name, text, drain)
+
+    def _stream(self, name, text, drain):
+        """stream() under the lock."""
         if drain and self.drain is not None:
             self.drain()
         if not text or self.truncated:
@@ -223,6 +230,11 @@ class OutputCollector:
     def display(self, data, metadata=None, transient=None, update=False,
                 output_type="display_data"):
         """Append a display_data (or execute_result) output, or update a display by id."""
+        with self.lock:
+            self._display(data, metadata, transient, update, output_type)
+
+    def _display(self, data, metadata, transient, update, output_type):
+        """display() under the lock."""
         if self.drain is not None:
             self.drain()
         data, metadata = normalize_bundle(data, metadata)
@@ -408,6 +420,7 @@ class FdCapture:
         _fflush()
         self.saved = {}
         self.files = {}
+        self.lock = collector.lock
         self.offsets = {}
         self.punched = {}
         self.decoders = {}
@@ -439,6 +452,12 @@ class FdCapture:
 
     def drain(self):
         """Move whatever was written to fds 1 and 2 since the last call into the collector."""
+        # Threads of the cell may print too: one reader at a time, or a chunk is read twice.
+        with self.lock:
+            self._drain()
+
+    def _drain(self):
+        """drain() under the lock."""
         _fflush()
         for fd, name in ((1, "stdout"), (2, "stderr")):
             mem = self.files.get(fd)

@@ -296,3 +296,18 @@ def test_figure_dpi_setting_is_the_default_and_a_figure_dpi_wins():
     small, large = (o["metadata"]["image/png"]["width"] for o in outs)
     assert small < 210 < 300 < large <= 400
     assert outs[0]["data"]["text/plain"] == "<Figure size 200x100 with 1 Axes>"
+
+
+def test_prints_from_threads_of_the_cell_are_all_captured_once():
+    """Threads printing (Python and fd level) during the cell: every line once."""
+    outs, err = one("import os, sys, threading\n"
+                    "def work(k):\n"
+                    "    for i in range(200):\n"
+                    "        sys.stdout.write(f'p{k}-{i}\\n')\n"
+                    "        os.write(1, f'f{k}-{i}\\n'.encode())\n"
+                    "ts = [threading.Thread(target=work, args=(k,)) for k in range(4)]\n"
+                    "for t in ts: t.start()\n"
+                    "for t in ts: t.join()")
+    assert err is None
+    lines = "".join(o["text"] for o in outs).split()
+    assert sorted(lines) == sorted(f"{c}{k}-{i}" for c in "pf" for k in range(4) for i in range(200))
