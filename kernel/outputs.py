@@ -68,7 +68,6 @@ DISABLE_IPYTHON = False
 
 _active = None  # the OutputCollector of the running cell, if any
 _shell = None  # the private IPython shell, created on first use
-_libc = None
 _PUNCH_BYTES = 1 << 20  # read fd-level output is released from memory in steps of this
 _user_figure_formats = [None]  # set by %config InlineBackend.figure_format(s)
 
@@ -195,7 +194,7 @@ class OutputCollector:
     def _stream(self, name, text, drain):
         """stream() under the lock."""
         if drain and self.drain is not None:
-            self.drain()
+            self.drain(False)
         if not text or self.truncated:
             return
         self._apply_pending_clear()
@@ -271,12 +270,13 @@ class OutputCollector:
 
     def clear(self, wait=False):
         """clear_output(): drop what the cell showed so far (at the next output if wait)."""
-        if self.drain is not None:
-            self.drain()
-        if wait:
-            self._clear_pending = True
-        else:
-            self._clear_now()
+        with self.lock:
+            if self.drain is not None:
+                self.drain()
+            if wait:
+                self._clear_pending = True
+            else:
+                self._clear_now()
 
     def _apply_pending_clear(self):
         """Carry out a clear_output(wait=True) now that new output arrives."""
@@ -393,15 +393,23 @@ STDOUT = StreamProxy("stdout", 1)
 STDERR = StreamProxy("stderr", 2)
 
 
+def _load_libc():
+    """The C library (None where it cannot be loaded)."""
+    try:
+        return ctypes.CDLL(None)
+    except OSError:
+        return None
+
+
+_libc = _load_libc()
+_c_fflush = getattr(_libc, "fflush", None)
+_pread = os.pread
+
+
 def _fflush():
     """Flush C stdio buffers (printf output of C extensions) into the captured fds."""
-    global _libc
-    try:
-        if _libc is None:
-            _libc = ctypes.CDLL(None)
-        _libc.fflush(None)
-    except (OSError, AttributeError):
-        pass
+    if _c_fflush is not None:
+        _c_fflush(None)
 
 
 class FdCapture:
@@ -450,23 +458,29 @@ class FdCapture:
             f.close()
             return new
 
-    def drain(self):
-        """Move whatever was written to fds 1 and 2 since the last call into the collector."""
+    def drain(self, full=True):
+        """Move whatever was written to fds 1 and 2 since the last call into the collector.
+
+        full=False (before each Python-level write) skips the check for a
+        child that truncated the file by reopening /dev/stdout.
+        """
         # Threads of the cell may print too: one reader at a time, or a chunk is read twice.
         with self.lock:
-            self._drain()
+            self._drain(full)
 
-    def _drain(self):
+    def _drain(self, full):
         """drain() under the lock."""
         _fflush()
+        offsets = self.offsets
         for fd, name in ((1, "stdout"), (2, "stderr")):
             mem = self.files.get(fd)
             if mem is None:
                 continue
             while True:
-                chunk = os.pread(mem, 1 << 20, self.offsets[fd])
+                chunk = _pread(mem, 1 << 20, offsets[fd])
                 if not chunk:
-                    if os.fstat(mem).st_size < self.offsets[fd]:
+                    # (Checked only on full drains: an fstat per print would double its cost.)
+                    if full and os.fstat(mem).st_size < self.offsets[fd]:
                         # A child reopened /dev/stdout with O_TRUNC: the file starts over
                         # (appends land at its new end), so read it from the start.
                         self.offsets[fd] = self.punched[fd] = 0
@@ -493,8 +507,6 @@ class FdCapture:
         if end <= start:
             return
         try:
-            if _libc is None:
-                _fflush()
             # FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE
             if _libc.fallocate(self.files[fd], 0x02 | 0x01, ctypes.c_long(start),
                                ctypes.c_long(end - start)) == 0:
