@@ -13,6 +13,7 @@ os.environ.setdefault("MPLBACKEND", "Agg")
 import IPython.core.interactiveshell  # noqa: E402,F401
 import matplotlib.pyplot  # noqa: E402,F401
 import pandas  # noqa: E402,F401
+import nbformat  # noqa: E402
 import pytest  # noqa: E402
 
 import kernel.outputs  # noqa: E402,F401
@@ -311,3 +312,14 @@ def test_prints_from_threads_of_the_cell_are_all_captured_once():
     assert err is None
     lines = "".join(o["text"] for o in outs).split()
     assert sorted(lines) == sorted(f"{c}{k}-{i}" for c in "pf" for k in range(4) for i in range(200))
+
+
+def test_display_max_flags_reach_pandas_through_the_server(make_server):
+    """--display-max-rows/--display-max-columns override Jupyter's limits, end to end."""
+    srv = make_server(extra_args=["--display-max-rows", "6", "--display-max-columns", "3"])
+    answer = srv.execute("import pandas as pd\npd.DataFrame({f'c{i}': range(20) for i in range(8)})")
+    (out,) = answer["output"]
+    nbformat.validate(out, ref="output", version=4)
+    text = out["data"]["text/plain"]
+    assert "[20 rows x 8 columns]" in text
+    assert len(text.splitlines()) < 12 and "..." in text.splitlines()[0]
