@@ -387,22 +387,28 @@ def run_cell(cell, namespace, execution_count, settings):
     if cell.error is not None:
         return [], cell.error
     error = None
-    collector = None
     try:
         manager = outputs.capture(settings, execution_count, namespace)
         collector = manager.__enter__()
     except BaseException as exc:  # the capture could not be set up: report, run nothing
         return [], _safe_error(exc, execution_count)
+    info = value = failure = None
     try:
-        value = None
-        for code in cell.codes:
-            value = _run_code(code, namespace)
-        if cell.has_result and value is not None:
-            data, md = outputs.format_object(value)
-            if data:
-                collector.display(data, md, output_type="execute_result")
-    except BaseException as exc:  # the cell's error, whatever it is
-        error = _safe_error(exc, execution_count)
+        try:
+            info = outputs.pre_run_events(cell.source)
+            for code in cell.codes:
+                value = _run_code(code, namespace)
+            if cell.has_result and value is not None:
+                data, md = outputs.format_object(value)
+                if data:
+                    collector.display(data, md, output_type="execute_result")
+        except BaseException as exc:  # the cell's error, whatever it is
+            failure = exc
+            error = _safe_error(exc, execution_count)
+        outputs.post_run_events(info, failure, value)
+    except BaseException as exc:  # an interrupt just after the cell, or a failing hook
+        if error is None:
+            error = _safe_error(exc, execution_count)
     finally:
         # An interrupt now must not leave fds or sys.stdout redirected.
         with _sigint_deferred():
@@ -413,8 +419,9 @@ def run_cell(cell, namespace, execution_count, settings):
                     error = _safe_error(exc, execution_count)
             with contextlib.suppress(BaseException):
                 manager.__exit__(None, None, None)
-    result = collector.result() if collector is not None else []
-    return result, _cap_error(error, outputs.setting(settings, "display.max_mime_chars"))
+            result = collector.result()
+            error = _cap_error(error, outputs.setting(settings, "display.max_mime_chars"))
+    return result, error
 
 
 def _cap_error(error, limit):

@@ -1023,6 +1023,34 @@ def capture(settings=None, execution_count=None, namespace=None):
             shell.user_ns, shell.user_module = shell_ns
 
 
+def pre_run_events(source):
+    """IPython's pre_execute / pre_run_cell events (autoreload and other extensions use them).
+
+    Returns what post_run_events needs, or None without IPython.
+    """
+    shell = get_shell()
+    if shell is None:
+        return None
+    from IPython.core.interactiveshell import ExecutionInfo
+    info = ExecutionInfo(source, False, False, True, None)
+    shell.events.trigger("pre_execute")
+    shell.events.trigger("pre_run_cell", info)
+    return info
+
+
+def post_run_events(info, error=None, result=None):
+    """IPython's post_execute / post_run_cell events, after the cell ran."""
+    if info is None:
+        return
+    from IPython.core.interactiveshell import ExecutionResult
+    outcome = ExecutionResult(info)
+    outcome.error_in_exec = error
+    outcome.result = result
+    shell = get_shell()
+    shell.events.trigger("post_execute")
+    shell.events.trigger("post_run_cell", outcome)
+
+
 def finish_cell(collector):
     """End-of-cell displays: every open figure (then closed), inside the capture."""
     configure_pandas(collector.settings)

@@ -15,6 +15,12 @@ def _child(conn, cells, settings, setup):
         os.dup2(null, 1)
         os.dup2(null, 2)
         os.close(null)
+        # A worker shows warnings; pytest's recording of them must not reach the child.
+        import importlib
+        import warnings
+        importlib.reload(warnings)
+        warnings.resetwarnings()
+        warnings.simplefilter("default")
         # Inherited garbage (the parent's old pipe objects) must not close fds mid-cell.
         import gc
         gc.collect()

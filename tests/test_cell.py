@@ -186,3 +186,18 @@ def test_indented_and_prompted_cells_as_in_jupyter():
     r = run("    x = 1\n    x + 1", ">>> y = 2\n>>> y * 2")
     assert r[0]["outputs"][0]["data"]["text/plain"] == "2"
     assert r[1]["outputs"][0]["data"]["text/plain"] == "4"
+
+
+def test_autoreload_and_warnings_per_cell_as_in_jupyter(tmp_path):
+    """IPython's cell events run: %autoreload picks up an edited module; a warning shows each time."""
+    mod = tmp_path / "helper_mod.py"
+    mod.write_text("def value():\n    return 1\n")
+    r = run(f"import sys\nsys.path.insert(0, {str(tmp_path)!r})\n%load_ext autoreload\n%autoreload 2\n"
+            "import helper_mod\nhelper_mod.value()",
+            f"open({str(mod)!r}, 'w').write('def value():\\n    return 2\\n')",
+            "helper_mod.value()",
+            "import warnings\nwarnings.warn('careful')", "warnings.warn('careful')")
+    assert r[0]["outputs"][-1]["data"]["text/plain"] == "1"
+    assert r[2]["outputs"][-1]["data"]["text/plain"] == "2"
+    for res in r[3:]:
+        assert "UserWarning: careful" in res["outputs"][0]["text"]
