@@ -1051,10 +1051,31 @@ def post_run_events(info, error=None, result=None):
     shell.events.trigger("post_run_cell", outcome)
 
 
+def _stop_script_loop():
+    """Stop the event-loop thread that %%bash / %%script start, so the worker may fork."""
+    if _shell is None:
+        return
+    magics = _shell.magics_manager.registry.get("ScriptMagics")
+    loop = getattr(magics, "event_loop", None)
+    if loop is None:
+        return
+    runner = [t for t in threading.enumerate()
+              if getattr(t, "_target", None) == loop.run_forever]
+    loop.call_soon_threadsafe(loop.stop)
+    for thread in runner:
+        thread.join(5)
+    if not loop.is_running():
+        loop.close()
+    magics.event_loop = None
+
+
 def finish_cell(collector):
-    """End-of-cell displays: every open figure (then closed), inside the capture."""
+    """End of a cell, inside the capture: every open figure shown (then closed), helper threads stopped."""
     configure_pandas(collector.settings)
-    show_figures(close=True)
+    try:
+        show_figures(close=True)
+    finally:
+        _stop_script_loop()
 
 
 def warm():

@@ -201,3 +201,14 @@ def test_autoreload_and_warnings_per_cell_as_in_jupyter(tmp_path):
     assert r[2]["outputs"][-1]["data"]["text/plain"] == "2"
     for res in r[3:]:
         assert "UserWarning: careful" in res["outputs"][0]["text"]
+
+
+def test_cell_magics_html_capture_bash_leave_no_thread():
+    """%%html, %%capture, %%writefile and %%bash work; %%bash's loop thread is stopped after."""
+    r = run("%%capture cap\nprint('hidden')", "cap.stdout", "%%html\n<b>hi</b>",
+            "%%bash\necho from bash\necho err >&2", "%%bash\necho again")
+    assert r[0]["outputs"] == [] and r[1]["outputs"][0]["data"]["text/plain"] == "'hidden\\n'"
+    assert r[2]["outputs"][0]["data"]["text/html"] == "<b>hi</b>\n"
+    assert texts(r[3]["outputs"]) == [("stdout", "from bash\n"), ("stderr", "err\n")]
+    assert texts(r[4]["outputs"]) == [("stdout", "again\n")]
+    assert all(res["threads"] == 1 for res in r)
