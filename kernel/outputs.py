@@ -999,7 +999,9 @@ def capture(settings=None, execution_count=None, namespace=None):
             shell_ns = (shell.user_ns, shell.user_module)
             if namespace is not None:
                 shell.user_ns = namespace
-                shell.user_module = sys.modules["__main__"]
+                main = sys.modules.get("__main__")
+                if getattr(main, "__dict__", None) is namespace:
+                    shell.user_module = main
             builtins.get_ipython = shell.get_ipython
         _active = collector
         yield collector
