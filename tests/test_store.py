@@ -1,0 +1,224 @@
+"""The durable store through the real server: restart, increments, crashes, volatiles."""
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+
+import lmdb
+
+from conftest import ROOT
+
+
+def store_bytes(data_dir):
+    """Bytes of blobs in use in the LMDB store (pages in use, not the file size)."""
+    env = lmdb.open(str(data_dir), readonly=True, lock=False, max_dbs=4)
+    try:
+        info, stat = env.info(), env.stat()
+        return (info["last_pgno"] + 1) * stat["psize"]
+    finally:
+        env.close()
+
+
+LINEAGE = """
+import numpy as np
+import pandas as pd
+arr = np.arange(10.0)
+view = arr[2:5]
+d = {'xs': [1, 2, 3]}
+same = d['xs']
+df = pd.DataFrame({'a': [1, 2, 3], 'b': ['x', 'y', 'z']})
+def total():
+    return sum(same) + len(df)
+class Point:
+    def __init__(self, x):
+        self.x = x
+    def norm(self):
+        return abs(self.x) * scale
+scale = 2
+p = Point(-3)
+"""
+PROBE = ("arr.tolist(), np.shares_memory(view, arr), same is d['xs'], df.to_dict('list'), total(), "
+         "isinstance(p, Point), p.norm()")
+
+
+def test_restart_keeps_every_state_identical(make_server, tmp_path):
+    data = tmp_path / "store"
+    srv = make_server(data)
+    first = srv.execute(LINEAGE, new="L1")
+    second = srv.execute("view[0] = 99.0\nscale = 10", state="L1", new="L2")
+    names = srv.get("/states").json()["states"]
+    before = {n: (srv.value(n, PROBE),
+                  srv.post("/symbol_hashes", {"state_name": n, "symbols": [
+                      "arr", "view", "d", "same", "df", "total", "p", "scale"]}).json(),
+                  srv.post("/alias_groups", {"state_name": n}).json(),
+                  srv.get(f"/states/{n}").json()["variables"])
+              for n in ("L1", "L2")}
+    srv.stop()
+    again = make_server(data)
+    assert again.get("/states").json()["states"] == names
+    for n in ("L1", "L2"):
+        after = (again.value(n, PROBE),
+                 again.post("/symbol_hashes", {"state_name": n, "symbols": [
+                     "arr", "view", "d", "same", "df", "total", "p", "scale"]}).json(),
+                 again.post("/alias_groups", {"state_name": n}).json(),
+                 again.get(f"/states/{n}").json()["variables"])
+        assert after == before[n]
+    assert before["L2"][0].startswith("([0.0, 1.0, 99.0")
+    third = again.execute("scale", state="L2")
+    assert third["execution_count"] == second["execution_count"] + 1 == \
+        first["execution_count"] + 2
+    # A restored function reads the restored globals, and the view still writes through.
+    again.execute("scale = 100\nview[1] = -1.0", state="L2", new="L3")
+    assert again.value("L3", "p.norm(), arr[3]") == "(300, np.float64(-1.0))"
+
+
+def test_small_cell_beside_big_dataframe_adds_little(make_server, tmp_path):
+    data = tmp_path / "store"
+    srv = make_server(data)
+    srv.execute("import numpy as np, pandas as pd\n"
+                "df = pd.DataFrame(np.random.default_rng(0).random((1_000_000, 25)))",
+                new="big")
+    before = store_bytes(data)
+    srv.execute("k = 1", state="big", new="small")
+    assert store_bytes(data) - before < 2 ** 20
+    # An unchanged column of a changed DataFrame is not stored again either.
+    before = store_bytes(data)
+    srv.execute("df['new'] = 1.0", state="small", new="col")
+    assert store_bytes(data) - before < 12 * 2 ** 20
+
+
+def test_sigkill_during_executions_loses_no_answered_state(make_server, tmp_path):
+    data = tmp_path / "store"
+    srv = make_server(data)
+    answered = []
+    stop = threading.Event()
+
+    def stream():
+        """Execute a chain until the server dies, remembering what was answered."""
+        state, i = "initial", 0
+        while not stop.is_set():
+            try:
+                answer = srv.execute(f"v{i} = list(range({i}))", state=state, new=f"k{i}")
+            except Exception:
+                return
+            answered.append(answer["state_name"])
+            state, i = answer["state_name"], i + 1
+
+    thread = threading.Thread(target=stream)
+    thread.start()
+    while len(answered) < 15:
+        threading.Event().wait(0.05)
+    srv.proc.send_signal(signal.SIGKILL)
+    stop.set()
+    thread.join(30)
+    srv.proc.wait()
+    again = make_server(data)
+    listed = set(again.get("/states").json()["states"])
+    assert set(answered) <= listed
+    last = answered[-1]
+    n = int(last[1:])
+    assert again.value(last, f"v{n} == list(range({n}))") == "True"
+    for name in listed - {"initial"}:
+        assert again.get(f"/states/{name}").status_code == 200
+    check = subprocess.run([sys.executable, "scripts/check_store.py", "--data-dir", str(data)],
+                           cwd=ROOT, capture_output=True, text=True)
+    if os.path.exists(os.path.join(ROOT, "scripts/check_store.py")):
+        assert check.returncode == 0, check.stdout + check.stderr
+
+
+def test_volatile_values_live_on_and_replay_after_restart(make_server, tmp_path):
+    data = tmp_path / "store"
+    srv = make_server(data)
+    srv.execute("base = [1, 2, 3]", new="v0")
+    answer = srv.execute("gen = (x * 10 for x in base)\nkeep = 5", state="v0", new="v1")
+    assert answer["volatile_symbols"] == ["gen"]
+    assert srv.get("/states/v1").json()["volatile_symbols"] == ["gen"]
+    assert srv.value("v1", "next(gen)") == "10"
+    srv.execute("k2 = keep + 1", state="v1", new="v2")
+    srv.stop()
+    again = make_server(data)
+    assert again.value("v2", "next(gen), keep, k2") == "(10, 5, 6)"
+
+
+def test_failed_replay_names_variable_and_cell(make_server, tmp_path):
+    data = tmp_path / "store"
+    source = tmp_path / "words.txt"
+    source.write_text("alpha beta")
+    srv = make_server(data)
+    srv.execute(f"import pathlib\ntext = pathlib.Path({str(source)!r}).read_text()\n"
+                "words = (w for w in text.split())\nok = 1", new="r0")
+    srv.stop()
+    source.unlink()
+    again = make_server(data)
+    # A cell that does not need the volatile value runs.
+    assert again.execute("ok + 1", state="r0")["error"] is None
+    answer = again.execute("next(words)", state="r0", ok=False)
+    assert answer["error"]["ename"] == "ReplayFailed"
+    assert "words" in answer["error"]["evalue"]
+    assert "read_text" in answer["error"]["evalue"]
+    assert "FileNotFoundError" in answer["error"]["evalue"]
+
+
+def test_store_full_is_507_and_keeps_older_states(make_server, tmp_path):
+    data = tmp_path / "store"
+    srv = make_server(data, config="[store]\nmax_store_gb = 0.05\n")
+    srv.execute("x = 1", new="f1")
+    r = srv.post("/execute", {"code": "import numpy as np\nbig = np.random.random(10_000_000)",
+                              "exec_id": "full", "state_name": "f1", "new_state_name": "f2"})
+    assert r.status_code == 507, r.text
+    assert r.json()["error"]["type"] == "StoreFull"
+    assert "f2" not in srv.get("/states").json()["states"]
+    assert srv.value("f1", "x") == "1"
+    assert srv.execute("y = 2", state="f1", new="f3")["error"] is None
+
+
+def test_refuses_foreign_store_and_second_server(make_server, tmp_path):
+    data = tmp_path / "store"
+    srv = make_server(data)
+    second = subprocess.run([sys.executable, "main.py", "--bind", "127.0.0.1:1",
+                             "--token", "t", "--data-dir", str(data)], cwd=ROOT,
+                            capture_output=True, text=True, timeout=60)
+    assert second.returncode != 0
+    assert "another server" in second.stderr and "Traceback" not in second.stderr
+    srv.stop()
+    env = lmdb.open(str(data), max_dbs=4)
+    meta = env.open_db(b"meta")
+    with env.begin(write=True) as txn:
+        txn.put(b"format", b"999", db=meta)
+    env.close()
+    third = subprocess.run([sys.executable, "main.py", "--bind", "127.0.0.1:1",
+                            "--token", "t", "--data-dir", str(data)], cwd=ROOT,
+                           capture_output=True, text=True, timeout=60)
+    assert third.returncode != 0
+    assert str(data) in third.stderr and "format 999" in third.stderr
+    assert "Traceback" not in third.stderr
+    junk = tmp_path / "junk"
+    junk.mkdir()
+    (junk / "data.mdb").write_bytes(b"not an lmdb file" * 1000)
+    fourth = subprocess.run([sys.executable, "main.py", "--bind", "127.0.0.1:1",
+                             "--token", "t", "--data-dir", str(junk)], cwd=ROOT,
+                            capture_output=True, text=True, timeout=60)
+    assert fourth.returncode != 0 and str(junk) in fourth.stderr
+    assert "Traceback" not in fourth.stderr
+
+
+def test_state_from_another_python_is_refused_clearly(make_server, tmp_path):
+    data = tmp_path / "store"
+    srv = make_server(data)
+    srv.execute("x = [1]", new="old")
+    srv.stop()
+    env = lmdb.open(str(data), max_dbs=4)
+    states = env.open_db(b"states")
+    import json
+    with env.begin(write=True) as txn:
+        manifest = json.loads(txn.get(b"old", db=states))
+        manifest["python"] = "cpython-3.9"
+        manifest["id"] = "other-id"
+        txn.put(b"old", json.dumps(manifest).encode(), db=states)
+    env.close()
+    again = make_server(data)
+    answer = again.execute("x", state="old", ok=False)
+    assert answer["error"]["ename"] == "IncompatibleState"
+    assert "cpython-3.9" in answer["error"]["evalue"]
