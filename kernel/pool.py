@@ -103,6 +103,8 @@ class Pool:
         self.live = collections.OrderedDict()
         self.holders_by_pid = {}
         self.waiting_holders = {}
+        self.early_spares = {}
+        self.dropped = set()
         self.exits = {}
         self.exit_cond = threading.Condition()
         self.conns = set()
@@ -193,11 +195,15 @@ class Pool:
                 else:
                     waiter.put(conn)
             elif role == "child":
-                holder = self.live.get(conn.hello["holder_state_id"])
-                if holder is None or not holder.conn.alive:
-                    conn.kill()
-                else:
+                state_id = conn.hello["holder_state_id"]
+                holder = self.live.get(state_id)
+                if holder is not None and holder.conn.alive:
                     holder.spares.put(conn)
+                elif state_id in self.dropped:
+                    conn.kill()  # forked just before its holder was evicted or retired
+                else:
+                    # A holder forks its first spare before its state is adopted.
+                    self.early_spares.setdefault(state_id, []).append(conn)
 
     # Holders -----------------------------------------------------------------
 
@@ -255,10 +261,11 @@ class Pool:
             old = self.live.pop(state_id, None)
             self.live[state_id] = holder
             self.holders_by_pid[conn.pid] = holder
+            self.dropped.discard(state_id)
+            for spare in self.early_spares.pop(state_id, []):
+                holder.spares.put(spare)
         if old is not None and old is not holder:
             self._drop(old)
-        if self.settings["workers.spare_children"]:
-            conn.send({"op": "fork"})
         self._evict()
         return holder
 
@@ -282,9 +289,13 @@ class Pool:
                 return child
 
     def retire(self, state_id):
-        """Stop the holder of a state no name points to any more."""
+        """Stop the holder of a state no name points to any more (or never adopted)."""
         with self.lock:
             holder = self.live.pop(state_id, None)
+            early = self.early_spares.pop(state_id, [])
+            self.dropped.add(state_id)
+        for spare in early:
+            spare.kill()
         if holder is not None:
             self._drop(holder)
 
@@ -292,6 +303,7 @@ class Pool:
         """Kill a holder that left the LRU."""
         with self.lock:
             self.holders_by_pid.pop(holder.conn.pid, None)
+            self.dropped.add(holder.state_id)
         holder.kill()
 
     def _evict(self):

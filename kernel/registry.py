@@ -14,7 +14,8 @@ import threading
 import time
 import uuid
 
-from kernel.pool import Pool, WorkerError, rss
+from kernel import limits
+from kernel.pool import Pool, WorkerError
 from storage import snapshot
 from storage.store import Store
 
@@ -195,6 +196,7 @@ class Kernel:
             if generation != self.generation:
                 child.kill()
                 self.store.delete_states([manifest["name"]])
+                self.pool.retire(manifest["id"])
                 return
             old = self.names.get(manifest["name"])
             self.names[manifest["name"]] = manifest
@@ -254,10 +256,14 @@ class Kernel:
             if msg["op"] == "result":
                 if msg.get("manifest") is None:
                     run.child.kill()
+                if run.stopped and run.stopped[0] != "KeyboardInterrupt" and msg.get("error"):
+                    # The SIGINT of a timeout surfaces as KeyboardInterrupt: say why.
+                    msg["error"] = _error(*run.stopped)
                 return msg
 
     def _watch(self, run, timeout, max_mem):
-        """Enforce cell_timeout_s and max_cell_memory_mb on a running cell."""
+        """Enforce cell_timeout_s, max_cell_memory_mb and max_cell_processes on a cell."""
+        max_procs = self.settings["limits.max_cell_processes"]
         if run.phase != "running" or run.stopped:
             return
         if timeout and time.monotonic() - run.started > timeout:
@@ -265,9 +271,14 @@ class Kernel:
             self._signal(run, signal.SIGINT)
             threading.Timer(self.settings["workers.interrupt_grace_s"], self._kill_if_running,
                             args=(run,)).start()
-        elif max_mem and rss(run.child.pid) > max_mem:
+        elif max_mem and limits.private_bytes(run.child.pid) > max_mem:
+            # Private pages only: the state shared with the holder is not the cell's.
             run.stopped = ("MemoryLimit", "the cell used more than max_cell_memory_mb = "
                            f"{max_mem // 2 ** 20} MiB")
+            run.child.kill()
+        elif max_procs and limits.group_processes(run.child.pid) > max_procs + 1:
+            run.stopped = ("ProcessLimit", "the cell had more than max_cell_processes = "
+                           f"{max_procs} processes alive")
             run.child.kill()
 
     def _signal(self, run, sig):

@@ -19,11 +19,13 @@ import time
 import traceback
 import types
 
-from kernel import symbols
+from kernel import limits, symbols
 from kernel.channel import Channel, ChannelClosed
 from storage import snapshot
 from storage.store import Store, StoreError, StoreFull
 
+# The SIGCHLD pipe of this process, closed in forked children (which make their own).
+_wake_fds = []
 _PR_SET_PDEATHSIG = 1
 _PR_SET_CHILD_SUBREAPER = 36
 
@@ -88,6 +90,7 @@ class Process:
         """Route SIGCHLD to a pipe so the select loop can reap children."""
         r, w = os.pipe()
         os.set_blocking(w, False)
+        _wake_fds[:] = [r, w]
         signal.signal(signal.SIGCHLD, lambda *_: None)
         signal.set_wakeup_fd(w)
         return r
@@ -115,6 +118,7 @@ def zygote_main(sock_path, settings):
     _prctl(_PR_SET_CHILD_SUBREAPER, 1)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     os.environ["MPLBACKEND"] = "Agg"
+    limits.init_zygote()
     _warm_imports(settings)
     namespace = _fresh_main()
     proc = Process(sock_path, settings)
@@ -133,6 +137,7 @@ def zygote_main(sock_path, settings):
         if msg["op"] == "spawn":
             if os.fork() == 0:
                 _become_worker()
+                proc.channel.close()
                 holder = Holder(sock_path, settings, namespace, msg["manifest"])
                 holder.run_restored(msg["req"])
 
@@ -156,6 +161,9 @@ def _become_worker():
     """Post-fork set-up of a worker: own process group, default signals."""
     os.setpgid(0, 0)
     signal.set_wakeup_fd(-1)
+    for fd in _wake_fds:
+        os.close(fd)
+    _wake_fds.clear()
     signal.signal(signal.SIGCHLD, signal.SIG_DFL)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
 
@@ -220,12 +228,19 @@ class Holder(Process):
             os._exit(1)
         except Exception:
             os._exit(1)
-        self.serve()
+        self.serve({"op": "ready", "state_id": self.manifest["id"]})
 
-    def serve(self):
-        """Idle loop: fork children on request, load pending groups meanwhile."""
+    def serve(self, announce):
+        """Idle loop: fork children on request, load pending groups meanwhile.
+
+        The first spare child is forked right after `announce` goes out (a
+        fork costs milliseconds), so it is ready by the time the client has
+        read the answer and sent its next cell.
+        """
         wake = self.reaper()
-        self.channel.send({"op": "ready", "state_id": self.manifest["id"]})
+        self.channel.send(announce)
+        if self.settings["workers.spare_children"]:
+            self.fork_child()
         while True:
             busy = self.background and (self.pending or self.volatile_pending)
             timeout = 0 if busy else None
@@ -272,7 +287,8 @@ class Holder(Process):
             self.channel.close()
             try:
                 self.connect({"role": "child", "holder_state_id": self.manifest["id"]})
-                self.warm()
+                if not select.select([self.channel], [], [], 0)[0]:
+                    self.warm()  # only while no request waits: warming then would delay it
                 msg = self.channel.recv()
             except (ChannelClosed, OSError):
                 os._exit(0)
@@ -326,13 +342,16 @@ class Holder(Process):
             self.load(missing)
 
     def run_cell(self, cell, count):
-        """Run a compiled cell with SIGINT raising KeyboardInterrupt meanwhile."""
+        """Run a compiled cell under the cell limits, SIGINT raising KeyboardInterrupt."""
         from kernel.cell import run_cell
+        applied = limits.begin_cell(self.settings)
         signal.signal(signal.SIGINT, signal.default_int_handler)
         try:
-            return run_cell(cell, self.namespace, count, self.settings)
+            result = run_cell(cell, self.namespace, count, self.settings)
+            return limits.relabel(result, applied)
         finally:
             signal.signal(signal.SIGINT, signal.SIG_IGN)
+            limits.end_cell(applied)
 
     def execute(self, msg):
         """Run a cell; on success store the new state and stay as its holder."""
@@ -404,8 +423,7 @@ class Holder(Process):
     def become_holder(self, manifest, answer):
         """Answer, then serve as the holder of the state just made."""
         self.manifest = manifest
-        self.channel.send(answer)
-        self.serve()
+        self.serve(answer)
 
     def multistate(self, msg):
         """Run a cell with other states' variables under aliases; store nothing."""

@@ -16,13 +16,13 @@ def run_async(server, body):
     return thread, box
 
 
-def wait_running(server, exec_id, timeout=10):
-    """Interrupt only once the exec_id is really running (a 409 tells us so)."""
+def interrupt_when_running(server, exec_id, timeout=20):
+    """POST /interrupt until the execution is registered; returns the time it was sent."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        r = server.post("/execute", {"code": "1", "exec_id": exec_id, "state_name": "initial"})
-        if r.status_code == 409:
-            return
+        sent = time.monotonic()
+        if server.post("/interrupt", {"exec_id": exec_id}).json()["interrupted"]:
+            return sent
         time.sleep(0.05)
     raise AssertionError("the execution never started")
 
@@ -32,9 +32,8 @@ def test_interrupt_stops_sleep_quickly(server):
     body = {"code": "import time\ntime.sleep(60)", "exec_id": "sleeper",
             "state_name": "proc-int", "new_state_name": "proc-int2"}
     thread, box = run_async(server, body)
-    wait_running(server, "sleeper")
-    start = time.monotonic()
-    assert server.post("/interrupt", {"exec_id": "sleeper"}).json() == {"interrupted": True}
+    time.sleep(0.5)  # let the cell start sleeping
+    start = interrupt_when_running(server, "sleeper")
     thread.join(30)
     assert time.monotonic() - start < 1.0
     assert box[0]["error"]["ename"] == "KeyboardInterrupt"
@@ -47,9 +46,8 @@ def test_interrupt_escalates_to_sigkill(server):
     code = "import signal, time\nsignal.signal(signal.SIGINT, signal.SIG_IGN)\ntime.sleep(60)"
     thread, box = run_async(server, {"code": code, "exec_id": "stubborn",
                                      "state_name": "initial"})
-    wait_running(server, "stubborn")
-    start = time.monotonic()
-    assert server.post("/interrupt", {"exec_id": "stubborn"}).json()["interrupted"]
+    time.sleep(0.5)
+    start = interrupt_when_running(server, "stubborn")
     thread.join(30)
     assert time.monotonic() - start < 5
     assert box[0]["error"]["ename"] == "KeyboardInterrupt"
@@ -72,9 +70,9 @@ def test_dying_cell_is_reported_and_server_carries_on(server, code, expect):
 
 
 def test_exec_id_already_running_is_409(server):
-    thread, box = run_async(server, {"code": "import time\ntime.sleep(2)", "exec_id": "dup",
+    thread, box = run_async(server, {"code": "import time\ntime.sleep(3)", "exec_id": "dup",
                                      "state_name": "initial"})
-    wait_running(server, "dup")
+    time.sleep(1)  # the first request registers its exec_id at once
     r = server.post("/execute", {"code": "1", "exec_id": "dup", "state_name": "initial"})
     assert r.status_code == 409 and r.json()["error"]["type"] == "Conflict"
     thread.join(30)
