@@ -1,0 +1,194 @@
+"""Cell faults and server faults: crashes, limits, leftovers, SIGKILL of the server.
+
+Every fault must leave the server answering and every other state intact.
+The limits run on a server of their own (`limited`); the 5-round version of
+scripts/faults.py runs at the end.
+"""
+
+import os
+import subprocess
+import sys
+import time
+
+import psutil
+import pytest
+
+from conftest import ROOT, Server
+
+LIMITS = """
+[limits]
+max_cell_memory_mb = 256
+cell_timeout_s = 2
+max_cell_processes = 8
+[workers]
+max_live_states = 3
+"""
+
+
+@pytest.fixture(scope="module")
+def limited(tmp_path_factory):
+    """A server with every cell limit on and a small LRU."""
+    srv = Server(tmp_path_factory.mktemp("limited") / "data", config=LIMITS)
+    yield srv
+    srv.stop()
+
+
+def states(srv):
+    """The set of state names."""
+    return set(srv.get("/states").json()["states"])
+
+
+def intact(srv, before):
+    """The server answers, no state appeared or vanished, the kept values are right."""
+    assert srv.get("/health").json() == {"status": "ok"}
+    assert states(srv) == before
+    assert srv.value("f-keep", "kept, len(big)") == "([1, 2, 3], 100000)"
+    assert srv.value("f-other", "other") == "'untouched'"
+
+
+def make_kept(srv):
+    """A state the faults run from and a sibling they must not disturb."""
+    srv.execute("kept = [1, 2, 3]\nbig = list(range(100000))", new="f-keep")
+    srv.execute("other = 'untouched'", new="f-other")
+    return states(srv)
+
+
+def gone(pids, timeout=10):
+    """True once no process of `pids` is alive (zombies count as gone)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        alive = [p for p in pids if psutil.pid_exists(p)
+                 and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
+        if not alive:
+            return True
+        time.sleep(0.1)
+    return False
+
+
+def processes_named(marker):
+    """Pids of processes whose command line contains `marker`."""
+    found = []
+    for p in psutil.process_iter(["cmdline"]):
+        if marker in " ".join(p.info["cmdline"] or []):
+            found.append(p.pid)
+    return found
+
+
+@pytest.mark.parametrize("code, ename, detail", [
+    ("import ctypes\nctypes.string_at(0)", "WorkerDied", "SIGSEGV"),
+    ("import os\nos._exit(3)", "WorkerDied", "code 3"),
+    ("x = bytearray(1 << 44)", "MemoryError", ""),
+    ("x = [0] * (1 << 42)", "MemoryError", ""),
+])
+def test_crashing_cell_leaves_server_and_states_intact(server, code, ename, detail):
+    before = make_kept(server)
+    answer = server.execute(code, state="f-keep", ok=False)
+    assert answer["error"]["ename"] == ename, answer["error"]
+    assert detail in answer["error"]["evalue"]
+    assert answer["state_name"] is None
+    intact(server, before)
+    assert server.execute("kept.append(4)\nkept", state="f-keep")["error"] is None
+
+
+@pytest.mark.parametrize("code", [
+    "x = b'x' * (600 * 2 ** 20)",            # one fast allocation, faster than any poll
+    "import numpy as np\nx = np.ones(100_000_000)",
+    "xs = []\nwhile True:\n    xs.append(bytearray(2 ** 20))",
+])
+def test_cell_over_max_cell_memory_mb_is_memory_limit(limited, code):
+    before = make_kept(limited)
+    start = time.monotonic()
+    answer = limited.execute(code, state="f-keep", ok=False)
+    assert answer["error"]["ename"] == "MemoryLimit", answer["error"]
+    assert "max_cell_memory_mb = 256" in answer["error"]["evalue"]
+    assert time.monotonic() - start < 10
+    intact(limited, before)
+
+
+def test_memory_limit_counts_the_cells_memory_not_the_states(limited):
+    # A 160 MiB state, then a cell adding 160 MiB more: each under the 256 MiB limit.
+    limited.execute("import numpy as np\nbase = np.ones(20_000_000)", new="f-big")
+    answer = limited.execute("more = np.ones(20_000_000)\nfloat(base.sum() + more.sum())",
+                             state="f-big")
+    assert answer["output"][-1]["data"]["text/plain"] == "40000000.0"
+
+
+def test_cell_over_cell_timeout_s_is_timeout(limited):
+    before = make_kept(limited)
+    for code in ["import time\ntime.sleep(60)",
+                 "import signal, time\nsignal.signal(signal.SIGINT, signal.SIG_IGN)\n"
+                 "time.sleep(60)",
+                 "while True:\n    pass"]:
+        start = time.monotonic()
+        answer = limited.execute(code, state="f-keep", ok=False)
+        took = time.monotonic() - start
+        assert answer["error"]["ename"] == "Timeout", (code, answer["error"])
+        assert "cell_timeout_s = 2" in answer["error"]["evalue"]
+        assert 1.9 < took < 6, (code, took)
+    intact(limited, before)
+    # A cell under the limit is untouched by it.
+    assert limited.execute("import time\ntime.sleep(1)\n'ok'")["error"] is None
+
+
+@pytest.mark.parametrize("code", [
+    "import subprocess\nps = [subprocess.Popen(['sleep', '3071']) for _ in range(30)]\n"
+    "import time\ntime.sleep(3)",
+    "import os, time\nfor i in range(40):\n    if os.fork() == 0:\n"
+    "        time.sleep(3071)\n        os._exit(0)\ntime.sleep(3)",
+])
+def test_cell_forking_many_processes_is_bounded(limited, code):
+    before = make_kept(limited)
+    answer = limited.execute(code, state="f-keep", ok=False)
+    # A pids cgroup makes fork fail (BlockingIOError); without one the watchdog kills.
+    assert answer["error"]["ename"] in ("BlockingIOError", "ProcessLimit"), answer["error"]
+    assert gone(processes_named("3071")) or not processes_named("sleep 3071")
+    intact(limited, before)
+
+
+def test_processes_run_one_after_another_are_not_limited(limited):
+    code = "import subprocess\nfor _ in range(20):\n    subprocess.run(['true'], check=True)\n'ok'"
+    assert limited.execute(code)["error"] is None
+
+
+def test_closed_stdout_cwd_and_environ_do_not_reach_the_parent_state(server):
+    server.execute("import os\nstart = os.getcwd()", new="f-env")
+    server.execute("import os, sys\nos.chdir('/tmp')\nos.environ['SNAPK_FAULT'] = '1'\n"
+                   "sys.stdout.close()\nos.close(1)", state="f-env", ok=False)
+    answer = server.execute("import os\nprint('still here')\n"
+                            "os.getcwd() == start, os.environ.get('SNAPK_FAULT')", state="f-env")
+    texts = [o.get("text", "") for o in answer["output"] if o["output_type"] == "stream"]
+    assert "still here\n" in "".join(texts)
+    assert answer["output"][-1]["data"]["text/plain"] == "(True, None)"
+
+
+def test_leftover_threads_and_processes_reaped_on_delete(server):
+    answer = server.execute(
+        "import os, subprocess, threading, time\n"
+        "t = threading.Thread(target=time.sleep, args=(3072,), daemon=True)\nt.start()\n"
+        "p = subprocess.Popen(['sleep', '3072'])\n"
+        "holder, sleeper = os.getpid(), p.pid\n"
+        "holder, sleeper", new="f-leftover")
+    holder, sleeper = eval(answer["output"][-1]["data"]["text/plain"])
+    assert psutil.pid_exists(holder) and psutil.pid_exists(sleeper)
+    assert server.delete("/states/f-leftover").status_code == 200
+    assert gone([holder, sleeper])
+
+
+def test_leftover_processes_reaped_on_eviction(limited):
+    answer = limited.execute("import subprocess\np = subprocess.Popen(['sleep', '3073'])\n"
+                             "import os\nos.getpid(), p.pid", new="f-evicted")
+    holder, sleeper = eval(answer["output"][-1]["data"]["text/plain"])
+    for i in range(4):  # max_live_states = 3: the leftover's holder is evicted
+        limited.execute(f"n = {i}", new=f"f-evict{i}")
+    assert not limited.get("/states/f-evicted").json()["live"]
+    assert gone([holder, sleeper])
+
+
+def test_faults_script_five_rounds(tmp_path):
+    start = time.monotonic()
+    run = subprocess.run([sys.executable, "scripts/faults.py", "--rounds", "5",
+                          "--work-dir", str(tmp_path)],
+                         cwd=ROOT, capture_output=True, text=True, timeout=240)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    assert "survived 5/5 rounds" in run.stdout
+    assert time.monotonic() - start < 120
