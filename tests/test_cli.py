@@ -1,0 +1,113 @@
+"""The command line: token sources, refusals, quiet output, the bottle form."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import psutil
+import requests
+
+from conftest import ROOT, free_port
+
+
+def start(args, env=None):
+    """Start main.py (or another module) with piped output."""
+    return subprocess.Popen([sys.executable, *args], cwd=ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, stdin=subprocess.DEVNULL,
+                            env=dict(os.environ, **(env or {})))
+
+
+def wait_health(url, proc, timeout=30):
+    """Wait for /health, failing if the process exits."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, proc.stderr.read().decode()
+        try:
+            if requests.get(url + "/health", timeout=1).ok:
+                return
+        except requests.ConnectionError:
+            time.sleep(0.05)
+    raise AssertionError("server did not come up")
+
+
+def stop(proc):
+    """SIGTERM and wait; returns (stdout, stderr)."""
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=30)
+    return out.decode(), err.decode()
+
+
+def test_refuses_to_start_without_token(tmp_path):
+    env = {"SNAPSHOT_KERNEL_TOKEN": ""}
+    proc = start(["main.py", "--bind", f"127.0.0.1:{free_port()}",
+                  "--data-dir", str(tmp_path)], env)
+    out, err = proc.communicate(timeout=30)
+    assert proc.returncode != 0 and "no token" in err.decode()
+    proc = start(["main.py", "--bind", f"0.0.0.0:{free_port()}", "--no-auth",
+                  "--data-dir", str(tmp_path)], env)
+    out, err = proc.communicate(timeout=30)
+    assert proc.returncode != 0 and "loopback" in err.decode()
+    assert "Traceback" not in err.decode()
+
+
+def test_bad_bind_and_config_are_clear_errors(tmp_path):
+    proc = start(["main.py", "--bind", "nonsense", "--token", "t"])
+    _, err = proc.communicate(timeout=30)
+    assert proc.returncode != 0 and "HOST:PORT" in err.decode()
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[workers]\nmax_live_states = 'many'\n")
+    proc = start(["main.py", "--token", "t", "--config", str(bad)])
+    _, err = proc.communicate(timeout=30)
+    assert proc.returncode != 0 and "max_live_states" in err.decode()
+    assert "Traceback" not in err.decode()
+
+
+def test_token_from_environment_and_quiet_output(tmp_path):
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    proc = start(["main.py", "--bind", f"127.0.0.1:{port}", "--data-dir", str(tmp_path)],
+                 {"SNAPSHOT_KERNEL_TOKEN": "from-env"})
+    try:
+        wait_health(url, proc)
+        assert requests.get(url + "/states", timeout=10).status_code == 401
+        r = requests.post(url + "/execute", params={"token": "from-env"}, timeout=60,
+                          json={"code": "print('hi')", "exec_id": "q", "state_name": "initial"})
+        assert r.json()["output"][0]["text"] == "hi\n"
+    finally:
+        out, err = stop(proc)
+    # Nothing on the pipes: a client that never reads them cannot block the server.
+    assert out == "" and err == ""
+
+
+def test_no_auth_on_loopback(tmp_path):
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    proc = start(["main.py", "--bind", f"127.0.0.1:{port}", "--no-auth",
+                  "--data-dir", str(tmp_path)], {"SNAPSHOT_KERNEL_TOKEN": ""})
+    try:
+        wait_health(url, proc)
+        assert requests.get(url + "/states", timeout=10).json() == {"states": ["initial"]}
+    finally:
+        stop(proc)
+
+
+def test_bottle_command_line_form(tmp_path):
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    proc = start(["-m", "bottle", "--server", "cheroot", "--bind", f"127.0.0.1:{port}",
+                  "--param", "token=bottle-token", "--param", f"data_dir={tmp_path}",
+                  "main:app"])
+    try:
+        wait_health(url, proc)
+        assert requests.get(url + "/states", timeout=10).status_code == 401
+        r = requests.post(url + "/execute", params={"token": "bottle-token"}, timeout=60,
+                          json={"code": "6 * 7", "exec_id": "b", "state_name": "initial"})
+        assert r.json()["output"][0]["data"]["text/plain"] == "42"
+        workers = psutil.Process(proc.pid).children(recursive=True)
+        assert workers
+    finally:
+        stop(proc)
+    _, alive = psutil.wait_procs(workers, timeout=10)
+    assert not alive
