@@ -20,10 +20,12 @@ import signal
 import sys
 import threading
 import unicodedata
+import urllib.parse
 
 import bottle
 
 from kernel import config as config_mod
+from kernel import openapi
 from kernel.registry import Kernel, KernelError
 from storage.store import StoreError
 
@@ -220,16 +222,33 @@ def list_states():
     return {"states": get_kernel().list_states()}
 
 
+def path_name(name):
+    """The state name of /states/NAME, decoded from the raw request path.
+
+    The WSGI server leaves an encoded slash (%2F) encoded in the path, so a
+    client that quotes `a/b` as `a%2Fb` would miss the state: decode the raw
+    URI ourselves where the server gives it.
+    """
+    raw = bottle.request.environ.get("REQUEST_URI", "").split("?", 1)[0]
+    prefix = "/states/"
+    if raw.startswith(prefix):
+        # WSGI strings carry the raw bytes as latin-1; names are UTF-8.
+        name = urllib.parse.unquote_to_bytes(raw[len(prefix):].encode("latin-1")).decode(
+            "utf-8", "surrogateescape")
+    return state_name(name, "name")
+
+
 @route("GET", "/states/<name:path>")
 def get_state(name):
     """One state's variables and lineage."""
-    return get_kernel().describe(state_name(name, "name"))
+    return get_kernel().describe(path_name(name))
 
 
 @route("DELETE", "/states/<name:path>")
 def delete_state(name):
     """Delete a state."""
-    get_kernel().delete(state_name(name, "name"))
+    name = path_name(name)
+    get_kernel().delete(name)
     return {"deleted": name}
 
 
@@ -273,6 +292,12 @@ def reset():
 def interrupt():
     """Interrupt a running execution."""
     return {"interrupted": get_kernel().interrupt(exec_id(body()))}
+
+
+@route("GET", "/openapi.json")
+def openapi_document():
+    """The OpenAPI 3 document of every route (with the token, like all but /health)."""
+    return openapi.document()
 
 
 @route("GET", "/health", auth=False)

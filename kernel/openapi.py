@@ -1,0 +1,214 @@
+"""The OpenAPI 3 document of the server's HTTP API, served at GET /openapi.json.
+
+It describes every route of the README's API table with its request and
+answer schemas, the JSON error every failure is answered with, and the two
+ways of passing the token (query parameter `token`, `Authorization: Bearer`).
+/openapi.json itself needs the token, like every route but /health: it
+tells nothing secret, but "only /health is open" is a rule easy to check.
+"""
+
+import copy
+
+MAX_NAME = 200
+
+_ERROR = {
+    "type": "object",
+    "required": ["error"],
+    "properties": {"error": {
+        "type": "object",
+        "required": ["type", "message"],
+        "properties": {"type": {"type": "string"}, "message": {"type": "string"}},
+    }},
+}
+
+_STATE_NAME = {
+    "type": "string", "minLength": 1, "maxLength": MAX_NAME,
+    "description": "1 to 200 characters, no control characters; slashes and any Unicode "
+                   "are fine",
+}
+
+_EXEC_ID = {"description": "Identifies the execution for /interrupt and 409 on reuse",
+            "oneOf": [{"type": "string"}, {"type": "integer"}]}
+
+_NAMES = {"type": "array", "items": {"type": "string"}}
+
+_CELL_ERROR = {
+    "type": "object", "nullable": True,
+    "required": ["ename", "evalue", "traceback"],
+    "properties": {"ename": {"type": "string"}, "evalue": {"type": "string"},
+                   "traceback": _NAMES},
+}
+
+_OUTPUT = {
+    "type": "object", "required": ["output_type"],
+    "description": "An nbformat 4 output (stream, display_data, execute_result, error)",
+    "properties": {"output_type": {"type": "string", "enum": [
+        "stream", "display_data", "execute_result", "error", "update_display_data"]}},
+}
+
+_EXECUTE_ANSWER = {
+    "type": "object",
+    "required": ["output", "state_name", "error", "accessed_symbols", "modified_symbols",
+                 "deleted_symbols"],
+    "properties": {
+        "output": {"type": "array", "items": _OUTPUT},
+        "state_name": {"type": "string", "nullable": True,
+                       "description": "The new state; null when the cell failed"},
+        "error": _CELL_ERROR,
+        "accessed_symbols": _NAMES,
+        "modified_symbols": _NAMES,
+        "deleted_symbols": _NAMES,
+        "execution_count": {"type": "integer", "nullable": True},
+        "volatile_symbols": {"type": "array", "nullable": True, "items": {"type": "string"}},
+    },
+}
+
+_GROUPS = {
+    "type": "object", "required": ["groups", "fingerprints"],
+    "properties": {"groups": {"type": "array", "items": _NAMES},
+                   "fingerprints": {"type": "array",
+                                    "items": {"type": "string", "nullable": True}}},
+}
+
+
+def _body(properties, required):
+    """A required JSON request body with these properties."""
+    return {"required": True, "content": {"application/json": {"schema": {
+        "type": "object", "properties": properties, "required": required}}}}
+
+
+def _answer(schema, description, errors=(400, 401)):
+    """The responses of an operation: 200 with `schema`, the listed errors as JSON."""
+    responses = {"200": {"description": description,
+                         "content": {"application/json": {"schema": schema}}}}
+    for status in errors:
+        responses[str(status)] = {"$ref": f"#/components/responses/E{status}"}
+    return responses
+
+
+def _name_param():
+    """The {name} path parameter of /states/{name}."""
+    return [{"name": "name", "in": "path", "required": True, "schema": _STATE_NAME,
+             "description": "The state's name, percent-encoded (`.` as %2E, since clients "
+                            "drop dot segments); a slash, plain or as %2F, is part of it"}]
+
+
+def document(version="0.3.0"):
+    """The OpenAPI 3.0 document of every route (a new dict on each call)."""
+    body_errors = (400, 401, 413)
+    paths = {
+        "/execute": {"post": {
+            "summary": "Run a cell from a state; on success the new state is stored",
+            "requestBody": _body({"code": {"type": "string"}, "exec_id": _EXEC_ID,
+                                  "state_name": _STATE_NAME,
+                                  "new_state_name": dict(_STATE_NAME, nullable=True)},
+                                 ["exec_id", "state_name"]),
+            "responses": _answer(_EXECUTE_ANSWER, "The cell's outputs and the new state's "
+                                 "name; a missing input state is error StateNotFound",
+                                 body_errors + (409, 507))}},
+        "/multistate_execute": {"post": {
+            "summary": "Run a cell with states under aliases; nothing is stored",
+            "requestBody": _body({"code": {"type": "string"}, "exec_id": _EXEC_ID,
+                                  "state_mapping": {"type": "object",
+                                                    "additionalProperties": _STATE_NAME},
+                                  "default_state": dict(_STATE_NAME, nullable=True)},
+                                 ["exec_id", "state_mapping"]),
+            "responses": _answer(_EXECUTE_ANSWER, "The cell's outputs; state_name is null",
+                                 body_errors + (409,))}},
+        "/states": {"get": {
+            "summary": "Every state name, oldest first",
+            "responses": _answer({"type": "object", "required": ["states"],
+                                  "properties": {"states": _NAMES}}, "The names")}},
+        "/states/{name}": {
+            "get": {
+                "summary": "One state's variables and lineage",
+                "parameters": _name_param(),
+                "responses": _answer({"type": "object", "required": [
+                    "name", "timestamp", "variables"], "properties": {
+                    "name": {"type": "string"}, "timestamp": {"type": "number"},
+                    "variables": {"type": "object", "additionalProperties": {
+                        "type": "object", "properties": {"type": {"type": "string"},
+                                                         "repr": {"type": "string"}}}},
+                    "modules": {"type": "object"},
+                    "parent": {"type": "string", "nullable": True},
+                    "execution_count": {"type": "integer"},
+                    "volatile_symbols": _NAMES, "live": {"type": "boolean"},
+                    "python": {"type": "string"}}}, "The state", (400, 401, 404))},
+            "delete": {
+                "summary": "Delete a state (`initial` cannot be deleted: 409)",
+                "parameters": _name_param(),
+                "responses": _answer({"type": "object", "required": ["deleted"],
+                                      "properties": {"deleted": {"type": "string"}}},
+                                     "Deleted", (400, 401, 404, 409))}},
+        "/symbol_hashes": {"post": {
+            "summary": "Content hashes of variables, from the manifest",
+            "requestBody": _body({"state_name": _STATE_NAME, "symbols": _NAMES,
+                                  "hash_algo": {"type": "string", "enum": ["full"],
+                                                "nullable": True}},
+                                 ["state_name", "symbols"]),
+            "responses": _answer({"type": "object", "required": ["hashes"], "properties": {
+                "hashes": {"type": "object", "additionalProperties": {
+                    "type": "string", "nullable": True}}}}, "A hash (hex) or null per symbol",
+                body_errors + (404,))}},
+        "/alias_groups": {"post": {
+            "summary": "Alias groups and their fingerprints, from the manifest",
+            "requestBody": _body({"state_name": _STATE_NAME}, ["state_name"]),
+            "responses": _answer(_GROUPS, "Every variable in exactly one group",
+                                 body_errors + (404,))}},
+        "/rebuild_state": {"post": {
+            "summary": "A state of source_vars from one state and input_vars from another",
+            "requestBody": _body({"input_state": _STATE_NAME, "source_state": _STATE_NAME,
+                                  "source_vars": _NAMES, "input_vars": _NAMES,
+                                  "new_state_name": dict(_STATE_NAME, nullable=True)},
+                                 ["input_state", "source_state", "source_vars",
+                                  "input_vars"]),
+            "responses": _answer(dict(_GROUPS, required=["state_name", "groups",
+                                                         "fingerprints"],
+                                      properties=dict(_GROUPS["properties"],
+                                                      state_name={"type": "string"})),
+                                 "The new state", body_errors + (404, 507))}},
+        "/reset": {"post": {
+            "summary": "Drop every state; an empty `initial` remains (no body needed)",
+            "responses": _answer({"type": "object", "required": ["status"],
+                                  "properties": {"status": {"type": "string"}}}, "Done")}},
+        "/interrupt": {"post": {
+            "summary": "SIGINT the execution `exec_id`, SIGKILL after interrupt_grace_s",
+            "requestBody": _body({"exec_id": _EXEC_ID}, ["exec_id"]),
+            "responses": _answer({"type": "object", "required": ["interrupted"],
+                                  "properties": {"interrupted": {"type": "boolean"}}},
+                                 "Whether such an execution was running", body_errors)}},
+        "/health": {"get": {
+            "summary": "Liveness; the only route without the token",
+            "security": [],
+            "responses": {"200": {"description": "Up", "content": {"application/json": {
+                "schema": {"type": "object", "required": ["status"],
+                           "properties": {"status": {"type": "string"}}}}}}}}},
+        "/openapi.json": {"get": {
+            "summary": "This document",
+            "responses": _answer({"type": "object"}, "The OpenAPI document", (401,))}},
+    }
+    responses = {f"E{status}": {"description": text, "content": {"application/json": {
+        "schema": {"$ref": "#/components/schemas/Error"}}}}
+        for status, text in {400: "Bad input", 401: "No or wrong token",
+                             404: "Unknown state", 409: "Conflict",
+                             413: "Body larger than max_body_mb",
+                             503: "Store unavailable", 507: "Store full"}.items()}
+    return copy.deepcopy({
+        "openapi": "3.0.3",
+        "info": {"title": "Snapshot kernel server", "version": version,
+                 "description": "Runs notebook cells against named, immutable, persistent "
+                                "execution states. Every error is JSON "
+                                "{\"error\": {\"type\", \"message\"}}."},
+        "security": [{"bearer": []}, {"token": []}],
+        "paths": paths,
+        "components": {
+            "schemas": {"Error": _ERROR},
+            "responses": responses,
+            "securitySchemes": {
+                "bearer": {"type": "http", "scheme": "bearer",
+                           "description": "Authorization: Bearer TOKEN"},
+                "token": {"type": "apiKey", "in": "query", "name": "token",
+                          "description": "?token=TOKEN (the reference client's way)"},
+            },
+        },
+    })

@@ -1,0 +1,189 @@
+"""Bad input: /openapi.json, a schemathesis fuzz of every route, handcrafted nasty requests.
+
+Any 5xx answer or a dead server is a failure. The fuzz is bounded
+(FUZZ_EXAMPLES per operation and mode) so the module stays well under a minute.
+"""
+
+import http.client
+import json
+import os
+import re
+
+import hypothesis
+import pytest
+import requests
+import schemathesis
+from hypothesis import HealthCheck, Phase, given, settings
+
+import main
+from conftest import TOKEN
+
+# Examples per operation and mode; SNAPK_FUZZ_EXAMPLES=200 for a deeper run.
+FUZZ_EXAMPLES = int(os.environ.get("SNAPK_FUZZ_EXAMPLES", "12"))
+POST_ROUTES = ["/execute", "/multistate_execute", "/symbol_hashes", "/alias_groups",
+               "/rebuild_state", "/interrupt"]
+
+
+def document(server):
+    """The server's OpenAPI document."""
+    r = server.get("/openapi.json")
+    assert r.status_code == 200 and r.headers["Content-Type"] == "application/json"
+    return r.json()
+
+
+def alive(server):
+    """The server process runs and answers a cell."""
+    assert server.proc.poll() is None
+    assert server.value("initial", "6 * 7") == "42"
+
+
+def test_openapi_document_describes_every_route(server):
+    doc = document(server)
+    assert doc["openapi"].startswith("3.")
+    assert requests.get(server.url + "/openapi.json", timeout=10).status_code == 401
+    routes = {(r.method.lower(), re.sub(r"<(\w+)(:\w+)?>", r"{\1}", r.rule))
+              for r in main.app.routes}
+    documented = {(m, p) for p, ops in doc["paths"].items() for m in ops}
+    assert routes == documented
+    for (method, path) in documented:
+        op = doc["paths"][path][method]
+        assert "200" in op["responses"], (method, path)
+        if path != "/health":
+            assert "401" in op["responses"], (method, path)
+    assert doc["paths"]["/health"]["get"]["security"] == []
+    schemes = doc["components"]["securitySchemes"]
+    assert schemes["token"] == dict(schemes["token"], type="apiKey", name="token", **{
+        "in": "query"})
+    assert schemes["bearer"]["scheme"] == "bearer"
+    assert set(doc["components"]["schemas"]["Error"]["properties"]["error"]["required"]) \
+        == {"type", "message"}
+
+
+def test_fuzz_every_route_with_schemathesis(server):
+    doc = document(server)
+    schema = schemathesis.openapi.from_dict(doc)
+    auth = {"Authorization": f"Bearer {TOKEN}"}
+    session = requests.Session()
+    failures, calls = [], [0]
+    operations = [result.ok() for result in schema.get_all_operations()]
+    assert len(operations) == 12
+    for operation in operations:
+        for mode in (schemathesis.GenerationMode.POSITIVE, schemathesis.GenerationMode.NEGATIVE):
+            strategy = operation.as_strategy(generation_mode=mode)
+
+            @settings(max_examples=FUZZ_EXAMPLES, deadline=None, database=None,
+                      phases=[Phase.generate], derandomize=True,
+                      suppress_health_check=list(HealthCheck))
+            @given(case=strategy)
+            def run(case):
+                """Send one generated request; remember any 5xx answer."""
+                calls[0] += 1
+                response = case.call(base_url=server.url, session=session, headers=auth,
+                                     timeout=60)
+                if response.status_code >= 500:
+                    failures.append((operation.label, mode.name, response.status_code,
+                                     response.text[:300], repr(case)[:500]))
+
+            try:
+                run()
+            except hypothesis.errors.Unsatisfiable:
+                pass  # a mode that cannot make any example for this operation
+    print(f"schemathesis: {calls[0]} requests over {len(operations)} operations")
+    assert not failures, failures[:5]
+    alive(server)
+
+
+def raw_request(server, method, path, body=b"", headers=None):
+    """Send exactly `path` and `body` (no client normalisation); (status, JSON answer)."""
+    conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=60)
+    sep = "&" if "?" in path else "?"
+    conn.request(method, f"{path}{sep}token={TOKEN}", body=body, headers=headers or {})
+    r = conn.getresponse()
+    data = r.read()
+    conn.close()
+    return r.status, json.loads(data)
+
+
+@pytest.mark.parametrize("route", POST_ROUTES)
+def test_non_utf8_and_wrong_content_types(server, route):
+    cases = [(b'{"code": "\xff\xfe", "exec_id": "x", "state_name": "initial"}',
+              "application/json"),
+             (b"\x80\x81\x82", "application/json"),
+             (b"code=1&exec_id=x&state_name=initial", "application/x-www-form-urlencoded"),
+             (b"--b\r\nContent-Disposition: form-data; name=code\r\n\r\n1\r\n--b--\r\n",
+              "multipart/form-data; boundary=b"),
+             (b"<xml/>", "text/xml"), (b"\x00" * 100, "application/octet-stream")]
+    for raw, ctype in cases:
+        status, answer = raw_request(server, "POST", route, raw, {"Content-Type": ctype})
+        assert status == 400, (route, raw[:20], answer)
+        assert answer["error"]["type"] == "BadRequest"
+
+
+BODIES = {
+    "/execute": {"code": "1", "exec_id": "h", "state_name": "initial",
+                 "new_state_name": "hn"},
+    "/multistate_execute": {"code": "1", "exec_id": "h", "state_mapping": {"a": "initial"},
+                            "default_state": "initial"},
+    "/symbol_hashes": {"state_name": "initial", "symbols": ["x"], "hash_algo": "full"},
+    "/alias_groups": {"state_name": "initial"},
+    "/rebuild_state": {"input_state": "initial", "source_state": "initial",
+                       "source_vars": [], "input_vars": [], "new_state_name": "hr"},
+    "/interrupt": {"exec_id": "h"},
+}
+
+
+@pytest.mark.parametrize("route", POST_ROUTES)
+def test_huge_strings_and_deep_nesting_in_every_field(server, route):
+    huge = "é" * 2 ** 20
+    deep = "[" * 100_000 + "1" + "]" * 100_000
+    for key in BODIES[route]:
+        for value in (huge, {huge: [huge]}, 10 ** 400, True, None):
+            body = dict(BODIES[route], **{key: value})
+            r = server.post(route, data=json.dumps(body).encode(),
+                            headers={"Content-Type": "application/json"})
+            assert r.status_code < 500, (route, key, type(value), r.text[:300])
+            assert "error" in r.json() or r.status_code == 200
+        raw = json.dumps(dict(BODIES[route], **{key: 0})).replace(
+            f'"{key}": 0', f'"{key}": {deep}')
+        r = server.post(route, data=raw.encode(), headers={"Content-Type": "application/json"})
+        assert r.status_code == 400, (route, key, r.text[:300])
+    # The huge code ran or failed as a cell, not as a server error: the server is fine.
+    alive(server)
+
+
+PATH_NAMES = ["../../etc/passwd", "a/../b", "/abs/path", "..", ".", "a//b", "%2e%2e%2f",
+              "C:\\Windows\\system32", "ünïcödé ✓", "名前/状態", "emoji 🐍🔥", "\u202eevil",
+              "x" * 200, "sp ace", "q?x=1", "h#frag", "semi;colon", "quote\"'"]
+
+
+def quote_name(name):
+    """A state name as a path segment: every reserved byte encoded, dots too.
+
+    Clients normalise literal `.` and `..` segments away, so those go as %2E.
+    """
+    return requests.utils.quote(name, safe="").replace(".", "%2E")
+
+
+def test_path_like_and_unicode_state_names(server):
+    before = set(os.listdir(server.data_dir))
+    for i, name in enumerate(PATH_NAMES):
+        server.execute(f"v = {i}", new=name)
+        assert server.value(name, "v") == str(i), name
+        path = "/states/" + quote_name(name)
+        r = server.get(path)
+        assert r.status_code == 200 and r.json()["name"] == name, (name, r.text)
+        assert r.json()["variables"]["v"]["repr"] == str(i)
+    listed = server.get("/states").json()["states"]
+    assert set(PATH_NAMES) <= set(listed)
+    # Names are keys in the store, never paths: nothing appeared beside it.
+    assert set(os.listdir(server.data_dir)) == before
+    for name in PATH_NAMES:
+        r = server.delete("/states/" + quote_name(name))
+        assert r.status_code == 200 and r.json() == {"deleted": name}, (name, r.text)
+    # Unquoted dot segments and odd paths sent verbatim: a JSON answer, never a 5xx.
+    for raw in ["/states/../states", "/states/%2e%2e/x", "/states/%ff%fe", "/states/%00",
+                "/states/a%0ab", "/states/" + "y" * 5000, "/states//"]:
+        status, answer = raw_request(server, "GET", raw)
+        assert status < 500 and ("error" in answer or "name" in answer or "states" in answer), \
+            (raw, status, answer)
+    alive(server)
