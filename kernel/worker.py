@@ -416,8 +416,8 @@ class Holder(Process):
         snapshot.carry(manifest, parent, carried, modules, volatile)
         tag = f"{count}:{manifest['code_digest']}"
         records = snapshot.save_groups(self.store(), manifest, self.namespace, sorted(dirty),
-                                       self.settings, class_tag=tag)
-        self.store().put_state(manifest["name"], manifest, records)
+                                       self.settings, class_tag=tag, parent=parent)
+        snapshot.commit(self.store(), manifest, records)
         return manifest
 
     def become_holder(self, manifest, answer):
@@ -499,7 +499,7 @@ class Holder(Process):
         self.volatile_pending &= keep
         records = snapshot.save_groups(self.store(), manifest, self.namespace, sorted(dirty),
                                        self.settings)
-        self.store().put_state(manifest["name"], manifest, records)
+        snapshot.commit(self.store(), manifest, records)
         self.pending = pending
         answer = {"op": "result", "error": None, "state_name": msg["new_name"],
                   "manifest": manifest, "output": []}

@@ -199,9 +199,30 @@ class loading_into:
         _target_globals = self.saved
 
 
+def _frombuffer(buffer, dtype, shape, order):
+    """numpy's array-from-pickled-buffer, with the buffer itself as the array's base.
+
+    numpy's own version reshapes a flat array, so a restored array looks like
+    a view of a hidden base; pickled again, it would not give the bytes it
+    was stored as, and its hash would change across a restore.
+    """
+    import numpy
+    return numpy.ndarray(shape, dtype=dtype, buffer=buffer, order="F" if order == "F" else "C")
+
+
+class _Unpickler(pickle.Unpickler):
+    """The C unpickler, rebuilding numpy arrays with `_frombuffer`."""
+
+    def find_class(self, module, name):
+        """Swap numpy's buffer reconstructor for ours."""
+        if name == "_frombuffer" and module in ("numpy._core.numeric", "numpy.core.numeric"):
+            return _frombuffer
+        return super().find_class(module, name)
+
+
 def loads(payload, buffers, pickler):
     """Deserialize a list of values (call inside `loading_into`)."""
     if pickler == "dill":
         import dill
         return dill.loads(payload)
-    return pickle.loads(payload, buffers=buffers)
+    return _Unpickler(io.BytesIO(payload), buffers=buffers).load()

@@ -13,8 +13,9 @@ import sys
 import types
 import uuid
 
-from storage import serializer
+from storage import pages, serializer
 from storage.groups import alias_groups
+from storage.store import referenced_blobs
 
 PYTHON = f"{sys.implementation.name}-{sys.version_info[0]}.{sys.version_info[1]}"
 
@@ -56,11 +57,18 @@ def _sha(data):
     return hashlib.sha256(data).hexdigest()
 
 
+def _buffer_key(view):
+    """A buffer's blob key: the parent's if its pages are untouched, else its SHA-256."""
+    return pages.known_key(view) or _sha(view)
+
+
 def _pickle_group(values, namespace, class_tag, min_buffer, records, store):
     """Serialize one group; return its entry and add new blob records."""
     pickled = serializer.dumps(values, namespace, class_tag, min_buffer)
     key = _sha(pickled.payload)
-    buffer_keys = [_sha(b) for b in pickled.buffers]
+    buffer_keys = [_buffer_key(b) for b in pickled.buffers]
+    for view, buffer_key in zip(pickled.buffers, buffer_keys):
+        pages.remember(view, buffer_key)
     new = store.missing([key, *buffer_keys]) - records.keys()
     for k, data in zip([key, *buffer_keys], [pickled.payload, *pickled.buffers]):
         if k in new:
@@ -70,12 +78,15 @@ def _pickle_group(values, namespace, class_tag, min_buffer, records, store):
             "fingerprint": fingerprint}
 
 
-def save_groups(store, manifest, namespace, dirty, settings, class_tag=""):
+def save_groups(store, manifest, namespace, dirty, settings, class_tag="", parent=None):
     """Group, pickle and hash the `dirty` names of `namespace` into `manifest`.
 
     Returns the blob records to write. Values neither pickler can store
-    become volatile: listed in the manifest, kept live by the holder.
+    become volatile: listed in the manifest, kept live by the holder. A
+    group that pickles exactly as in `parent` (a cell only read it) keeps
+    the parent's symbol hashes and reprs, which can cost more than the pickle.
     """
+    before = {(g["fingerprint"], tuple(g["members"])): g for g in (parent or {}).get("groups", [])}
     limit = settings.get("store.repr_max_chars", 200)
     min_buffer = settings.get("store.buffer_blob_min_bytes", 65536)
     records = {}
@@ -112,6 +123,10 @@ def save_groups(store, manifest, namespace, dirty, settings, class_tag=""):
                                             "repr": short_repr(values[m], limit)}
             continue
         entry["members"] = members
+        same = before.get((entry["fingerprint"], tuple(members)))
+        if same is not None:
+            carry(manifest, parent, [same], [], [])
+            continue
         if len(members) == 1:
             entry["hashes"] = {members[0]: entry["fingerprint"]}
         else:
@@ -127,7 +142,7 @@ def save_groups(store, manifest, namespace, dirty, settings, class_tag=""):
 def _value_hash(value, namespace, class_tag, min_buffer):
     """The symbol hash of one value on its own (for members of larger groups)."""
     pickled = serializer.dumps([value], namespace, class_tag, min_buffer)
-    parts = [pickled.pickler, _sha(pickled.payload), *(_sha(b) for b in pickled.buffers)]
+    parts = [pickled.pickler, _sha(pickled.payload), *(_buffer_key(b) for b in pickled.buffers)]
     return _sha("\0".join(parts).encode())
 
 
@@ -143,6 +158,12 @@ def carry(manifest, parent, groups, module_names, volatile_names):
     for name in volatile_names:
         manifest["volatile"][name] = parent["volatile"][name]
         manifest["variables"][name] = parent["variables"][name]
+
+
+def commit(store, manifest, records):
+    """Write a new state, then forget buffer keys the state no longer holds."""
+    store.put_state(manifest["name"], manifest, records)
+    pages.keep_only(referenced_blobs(manifest))
 
 
 def symbol_hash(manifest, name):
@@ -177,6 +198,13 @@ def load_group(store, group, namespace):
     with serializer.loading_into(namespace):
         values = serializer.loads(payload, buffers, group["pickler"])
     namespace.update(zip(group["members"], values))
+    _remember_loaded(buffers, group["buffers"])
+
+
+def _remember_loaded(buffers, keys):
+    """Record the blob keys of buffers just loaded, so an unchanged one is not rehashed."""
+    for buffer, key in zip(buffers, keys):
+        pages.remember(memoryview(buffer), key)
 
 
 def load_modules(manifest, namespace, names=None):
