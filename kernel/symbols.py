@@ -14,6 +14,8 @@ import gc
 import sys
 import types
 
+from storage.groups import filled
+
 # Builtins and attributes through which code can reach any global by name.
 DYNAMIC_NAMES = frozenset({
     "globals", "vars", "locals", "dir", "eval", "exec", "__import__",
@@ -88,7 +90,7 @@ def _notebook_code(value, namespace, budget):
         if isinstance(obj, types.FunctionType):
             if obj.__globals__ is namespace:
                 codes.append(obj.__code__)
-            stack.extend(c.cell_contents for c in obj.__closure__ or () if _filled(c))
+            stack.extend(c.cell_contents for c in obj.__closure__ or () if filled(c))
             stack.extend(obj.__defaults__ or ())
             continue
         if isinstance(obj, type):
@@ -114,15 +116,6 @@ def _notebook_code(value, namespace, budget):
         if gc.is_tracked(obj):
             stack.extend(gc.get_referents(obj))
     return codes, False
-
-
-def _filled(cell):
-    """True if a closure cell holds a value."""
-    try:
-        cell.cell_contents
-        return True
-    except ValueError:
-        return False
 
 
 def analyse(codes, namespace, names_before):

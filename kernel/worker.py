@@ -325,9 +325,9 @@ class Holder(Process):
                 pass
         os._exit(0)
 
-    def prepare(self, cell):
+    def prepare(self, cell, extra_names=()):
         """Analyse the cell's reads and writes, loading what it needs first."""
-        names_before = self.state_names()
+        names_before = self.state_names() | set(extra_names)
         while True:
             if cell.uses_ipython:
                 found = symbols.Analysis(
@@ -447,14 +447,13 @@ class Holder(Process):
             self.channel.send(answer)
             return
         names_before = _user_names(self.namespace)
-        found = self.prepare(cell) if not cell.uses_ipython else None
+        found = self.prepare(cell, msg["aliases"])
         before = {n: self.namespace[n] for n in names_before}
         outputs, error = self.run_cell(cell, count)
         after = _user_names(self.namespace)
-        reads = found.reads if found else names_before
         answer.update(
             output=outputs, error=error,
-            accessed_symbols=sorted(reads & names_before),
+            accessed_symbols=sorted(found.reads & names_before),
             modified_symbols=sorted(
                 n for n in after if n not in before or before[n] is not self.namespace[n]),
             deleted_symbols=sorted(names_before - after))

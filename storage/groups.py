@@ -44,7 +44,7 @@ def _identity_keys(value, namespace):
             continue
         yield ("obj", key)
         if isinstance(obj, types.FunctionType):
-            stack.extend(c.cell_contents for c in obj.__closure__ or () if _filled(c))
+            stack.extend(c.cell_contents for c in obj.__closure__ or () if filled(c))
             stack.extend(obj.__defaults__ or ())
             stack.extend((obj.__kwdefaults__ or {}).values())
             stack.append(obj.__dict__)
@@ -54,7 +54,7 @@ def _identity_keys(value, namespace):
         stack.extend(gc.get_referents(obj))
 
 
-def _filled(cell):
+def filled(cell):
     """True if a closure cell holds a value."""
     try:
         cell.cell_contents

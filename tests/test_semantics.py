@@ -173,6 +173,7 @@ def test_multistate_execute(server):
         "default_state": "sem-ms2"}).json()
     assert r["error"] is None and r["state_name"] is None
     assert result_text(r) == "70"
+    assert r["accessed_symbols"] == ["m", "one", "two"]
     assert set(r) >= {"output", "state_name", "error", "accessed_symbols",
                       "modified_symbols", "deleted_symbols"}
     r = server.post("/multistate_execute", {"code": "1", "exec_id": "ms2",

@@ -255,3 +255,14 @@ def test_in_place_writes_are_never_missed(make_server, tmp_path):
     third = make_server(data)
     assert third.value("w4", "float(arr[-1]), float(other[0]), float(other[1])") \
         == "(7.0, -1.0, 1.0)"
+
+
+def test_dill_fallback_and_async_durability(make_server, tmp_path):
+    """What the C pickler refuses goes through dill; "async" durability still stores."""
+    data = tmp_path / "store"
+    srv = make_server(data, config='[store]\ndurability = "async"\n')
+    answer = srv.execute("import threading\nlock = threading.Lock()\nn = 3", new="d1")
+    assert answer["volatile_symbols"] == []
+    srv.stop()
+    again = make_server(data)
+    assert again.value("d1", "type(lock).__name__, lock.acquire(), n") == "('lock', True, 3)"
