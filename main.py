@@ -349,6 +349,8 @@ def main(argv=None):
     """Start the server; SIGTERM or Ctrl-C stop it and every worker."""
     global _settings
     args = parse_args(argv)
+    # Workers inherit the environment: cells must not find the token there.
+    os.environ.pop("SNAPSHOT_KERNEL_TOKEN", None)
     host, _, port = args.bind.rpartition(":")
     if not host or not port.isdigit():
         sys.exit(f"error: --bind must be HOST:PORT, not {args.bind!r}")
@@ -392,11 +394,45 @@ def _setup_logging(log_file, verbose):
 def serve(host, port, s):
     """Run cheroot until SIGTERM or Ctrl-C, then stop the workers."""
     from cheroot import wsgi
-    server = wsgi.Server((host, port), app, numthreads=s["server.server_threads"],
-                         timeout=s["server.socket_timeout_s"])
+
+    class Server(wsgi.Server):
+        """cheroot, but a new connection costs no thread until it sends something.
+
+        cheroot hands each accepted connection to a worker thread at once, so
+        `server_threads` idle connections would hold every thread for
+        socket_timeout_s; here it first waits in the selector, as kept-alive
+        connections do, and is closed there once idle for socket_timeout_s.
+        """
+
+        def process_conn(self, conn):
+            """Queue a connection for a thread once it has bytes to read."""
+            if not getattr(conn, "snapk_waited", False):
+                conn.snapk_waited = True
+                self._connections.put(conn)
+                return
+            super().process_conn(conn)
+
+    server = Server((host, port), app, numthreads=s["server.server_threads"],
+                    timeout=s["server.socket_timeout_s"])
     if s["server.certfile"] or s["server.keyfile"]:
         from cheroot.ssl.builtin import BuiltinSSLAdapter
-        server.ssl_adapter = BuiltinSSLAdapter(s["server.certfile"], s["server.keyfile"])
+
+        class TlsAdapter(BuiltinSSLAdapter):
+            """TLS whose handshake runs in a worker thread, on the client's first bytes.
+
+            cheroot's adapter shakes hands in its single accept loop, so one
+            connection that sends nothing stalls every client for
+            socket_timeout_s; here OpenSSL completes the handshake on the
+            worker's first read instead.
+            """
+
+            def wrap(self, sock):
+                """The TLS socket (handshake pending) and the WSGI entries."""
+                tls = self.context.wrap_socket(sock, do_handshake_on_connect=False,
+                                               server_side=True)
+                return tls, {"wsgi.url_scheme": "https", "HTTPS": "on"}
+
+        server.ssl_adapter = TlsAdapter(s["server.certfile"], s["server.keyfile"])
 
     def stop(*_):
         """Leave the serving loop from the main thread (once)."""
