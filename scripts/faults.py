@@ -24,6 +24,7 @@ every round survived. The suite runs a 5-round version (tests/test_faults.py).
 """
 
 import argparse
+import http.client
 import json
 import os
 import random
@@ -126,8 +127,8 @@ def stream(server, prefix, rng, answered, asked, stop):
             answer = server.call("POST", "/execute", {
                 "code": cell(i, size), "exec_id": name, "state_name": state,
                 "new_state_name": name})
-        except (OSError, ValueError):
-            return
+        except (OSError, ValueError, http.client.HTTPException):
+            return  # the server died mid-answer
         if answer.get("error") is not None or answer.get("state_name") != name:
             answered[name] = f"error answer: {answer.get('error')}"
             return
@@ -165,7 +166,7 @@ def check_round(server, rnd, answered_all, asked_all, this_round, rng):
             answer = server.call("POST", "/multistate_execute", {
                 "code": CHECK, "exec_id": f"check-{rnd}-{name}", "state_mapping": {},
                 "default_state": name})
-        except (OSError, ValueError) as exc:
+        except (OSError, ValueError, http.client.HTTPException) as exc:
             problems.append(f"{name}: {exc}")
             continue
         if answer["error"] is not None:
