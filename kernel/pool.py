@@ -236,6 +236,7 @@ class Pool:
         arrived = queue.Queue()
         with self.lock:
             self.waiting_holders[req] = arrived
+            self.dropped.discard(manifest["id"])  # its new holder's first spare is welcome
         zygote.send({"op": "spawn", "req": req, "manifest": manifest})
         timeout = self.settings["workers.worker_start_timeout_s"]
         try:

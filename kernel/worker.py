@@ -119,7 +119,9 @@ def zygote_main(sock_path, settings):
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     os.environ["MPLBACKEND"] = "Agg"
     limits.init_zygote()
-    _warm_imports(settings)
+    # Warm up before taking requests: a holder forked cold would make every
+    # child of it pay the imports again.
+    _warm(settings)
     namespace = _fresh_main()
     proc = Process(sock_path, settings)
     proc.connect({"role": "zygote"})
@@ -142,10 +144,10 @@ def zygote_main(sock_path, settings):
                 holder.run_restored(msg["req"])
 
 
-def _warm_imports(settings):
-    """Import what cells commonly use, once, so every fork starts warm."""
-    for name in ("numpy", "pandas", "matplotlib", "matplotlib.pyplot", "kernel.cell",
-                 "dill", "lmdb", "zstandard", "IPython"):
+def _warm(settings):
+    """Import what cells commonly use and run a throwaway cell, once, before any fork."""
+    for name in ("kernel.cell", "numpy", "pandas", "matplotlib", "matplotlib.pyplot", "dill",
+                 "IPython"):
         try:
             __import__(name)
         except Exception:
@@ -153,7 +155,6 @@ def _warm_imports(settings):
     from kernel import outputs
     from kernel.cell import compile_cell, run_cell
     outputs.warm()
-    # A throwaway cell pays every first-run cost here, once, instead of in each child.
     run_cell(compile_cell("_w = [1]\n_w", 0), {"__builtins__": __builtins__}, 0, settings)
 
 

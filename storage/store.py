@@ -37,7 +37,7 @@ class Store:
         """Open (creating if needed) the store at `path`; refuse a foreign one."""
         self.path = path
         self.readonly = readonly
-        self.zstd_level = zstd_level
+        self.compressor = zstandard.ZstdCompressor(level=zstd_level)
         sync = durability == "sync"
         try:
             if not readonly:
@@ -123,7 +123,7 @@ class Store:
 
     def encode(self, data):
         """A blob record for `data`: compressed when that saves space."""
-        packed = zstandard.ZstdCompressor(level=self.zstd_level).compress(data)
+        packed = self.compressor.compress(data)
         if len(packed) < 0.95 * len(data):
             return _ZSTD + packed
         return _RAW + bytes(data)
