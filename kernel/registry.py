@@ -224,6 +224,7 @@ class Kernel:
                 run.child.kill()
                 return _empty_answer(_error("KeyboardInterrupt", "interrupted")), None
             run.child.send(request)
+            run.started = time.monotonic()  # cell_timeout_s counts the cell, not a restore
             answer = self._wait(run)
             answer["generation"] = generation
             return answer, run.child
