@@ -87,9 +87,10 @@ def _token_ok():
     if not expected:
         return False
     given = bottle.request.query.get("token")
-    header = bottle.request.headers.get("Authorization", "")
+    # The raw header (WSGI's latin-1 string): bottle's UTF-8 decoding of it raises on bad bytes.
+    header = bottle.request.environ.get("HTTP_AUTHORIZATION", "")
     if header.startswith("Bearer "):
-        given = header[len("Bearer "):]
+        given = header[len("Bearer "):].encode("latin-1").decode("utf-8", "surrogateescape")
     return given is not None and hmac.compare_digest(
         given.encode("utf-8", "surrogateescape"), expected.encode())
 
