@@ -288,21 +288,29 @@ class Holder(Process):
             self.channel.close()
             try:
                 self.connect({"role": "child", "holder_state_id": self.manifest["id"]})
-                if not select.select([self.channel], [], [], 0)[0]:
-                    self.warm()  # only while no request waits: warming then would delay it
+                self.warm()
                 msg = self.channel.recv()
             except (ChannelClosed, OSError):
                 os._exit(0)
             self.run(msg)
 
     def warm(self):
-        """Touch what a cell run touches, so its pages are copied before the cell."""
+        """Touch what a cell run touches, so its pages are copied before the cell.
+
+        Step by step, stopping as soon as a request waits: a request that
+        came while warming would pay for the warm-up and the cell both.
+        """
         from kernel.cell import compile_cell, run_cell
         from storage import serializer
         scratch = {"__builtins__": self.namespace["__builtins__"]}
-        run_cell(compile_cell("_w = [1.0, 'x']\n_w", 0), scratch, 0, self.settings)
-        serializer.dumps([scratch["_w"]], self.namespace)
-        self.store()
+        steps = (self.store,
+                 lambda: run_cell(compile_cell("_w = [1.0, 'x']\n_w", 0), scratch, 0,
+                                  self.settings),
+                 lambda: serializer.dumps([scratch.get("_w")], self.namespace))
+        for step in steps:
+            if select.select([self.channel], [], [], 0)[0]:
+                return
+            step()
 
     # Child: run one cell ---------------------------------------------------
 
