@@ -57,25 +57,46 @@ def _sha(data):
     return hashlib.sha256(data).hexdigest()
 
 
-def _buffer_key(view):
-    """A buffer's blob key: the parent's if its pages are untouched, else its SHA-256."""
-    return pages.known_key(view) or _sha(view)
+def _chunks(pickled, chunk):
+    """Split out-of-band buffers into chunks: [(piece, key)] and chunks per buffer.
+
+    Each chunk is a blob of its own, so a changed column of a 2-D pandas
+    block costs its own chunks, not the block. A chunk whose pages are
+    still shared with the parent state keeps its key without hashing.
+    """
+    pieces, layout = [], []
+    for view in pickled.buffers:
+        count = 0
+        for start in range(0, view.nbytes, chunk):
+            piece = view[start:start + chunk]
+            key = pages.known_key(piece) or _sha(piece)
+            pages.remember(piece, key)
+            pieces.append((piece, key))
+            count += 1
+        layout.append(count)
+    return pieces, layout
 
 
-def _pickle_group(values, namespace, class_tag, min_buffer, records, store):
+def _digest(pickled, payload_key, pieces, layout):
+    """Fingerprint of a pickled group: what it pickles to and how its buffers split."""
+    parts = [pickled.pickler, payload_key, *(k for _, k in pieces), repr(layout)]
+    return _sha("\0".join(parts).encode())
+
+
+def _pickle_group(values, namespace, class_tag, settings, records, store):
     """Serialize one group; return its entry and add new blob records."""
-    pickled = serializer.dumps(values, namespace, class_tag, min_buffer)
+    pickled = serializer.dumps(values, namespace, class_tag,
+                               settings.get("store.buffer_blob_min_bytes", 65536))
     key = _sha(pickled.payload)
-    buffer_keys = [_buffer_key(b) for b in pickled.buffers]
-    for view, buffer_key in zip(pickled.buffers, buffer_keys):
-        pages.remember(view, buffer_key)
-    new = store.missing([key, *buffer_keys]) - records.keys()
-    for k, data in zip([key, *buffer_keys], [pickled.payload, *pickled.buffers]):
+    pieces, layout = _chunks(pickled, settings.get("store.chunk_bytes", 2 ** 20))
+    keys = [key, *(k for _, k in pieces)]
+    new = store.missing(keys) - records.keys()
+    for k, data in zip(keys, [pickled.payload, *(p for p, _ in pieces)]):
         if k in new:
             records[k] = store.encode(data)
-    fingerprint = _sha("\0".join([pickled.pickler, key, *buffer_keys]).encode())
-    return {"key": key, "buffers": buffer_keys, "pickler": pickled.pickler,
-            "fingerprint": fingerprint}
+            new.discard(k)
+    return {"key": key, "buffers": keys[1:], "layout": layout, "pickler": pickled.pickler,
+            "fingerprint": _digest(pickled, key, pieces, layout)}
 
 
 def save_groups(store, manifest, namespace, dirty, settings, class_tag="", parent=None):
@@ -88,7 +109,6 @@ def save_groups(store, manifest, namespace, dirty, settings, class_tag="", paren
     """
     before = {(g["fingerprint"], tuple(g["members"])): g for g in (parent or {}).get("groups", [])}
     limit = settings.get("store.repr_max_chars", 200)
-    min_buffer = settings.get("store.buffer_blob_min_bytes", 65536)
     records = {}
     values = {}
     for name in dirty:
@@ -101,13 +121,13 @@ def save_groups(store, manifest, namespace, dirty, settings, class_tag="", paren
     for members in alias_groups(values, namespace):
         try:
             entry = _pickle_group([values[m] for m in members], namespace, class_tag,
-                                  min_buffer, records, store)
+                                  settings, records, store)
         except serializer.Unpicklable:
             # Store what can be stored; the rest of the group becomes volatile.
             for m in members:
                 try:
                     single = _pickle_group([values[m]], namespace, class_tag,
-                                           min_buffer, records, store)
+                                           settings, records, store)
                 except serializer.Unpicklable as exc:
                     manifest["volatile"][m] = {
                         "type": type_name(values[m]), "repr": short_repr(values[m], limit),
@@ -130,7 +150,7 @@ def save_groups(store, manifest, namespace, dirty, settings, class_tag="", paren
         if len(members) == 1:
             entry["hashes"] = {members[0]: entry["fingerprint"]}
         else:
-            entry["hashes"] = {m: _value_hash(values[m], namespace, class_tag, min_buffer)
+            entry["hashes"] = {m: _value_hash(values[m], namespace, class_tag, settings)
                                for m in members}
         manifest["groups"].append(entry)
         for m in members:
@@ -139,11 +159,12 @@ def save_groups(store, manifest, namespace, dirty, settings, class_tag="", paren
     return records
 
 
-def _value_hash(value, namespace, class_tag, min_buffer):
+def _value_hash(value, namespace, class_tag, settings):
     """The symbol hash of one value on its own (for members of larger groups)."""
-    pickled = serializer.dumps([value], namespace, class_tag, min_buffer)
-    parts = [pickled.pickler, _sha(pickled.payload), *(_buffer_key(b) for b in pickled.buffers)]
-    return _sha("\0".join(parts).encode())
+    pickled = serializer.dumps([value], namespace, class_tag,
+                               settings.get("store.buffer_blob_min_bytes", 65536))
+    pieces, layout = _chunks(pickled, settings.get("store.chunk_bytes", 2 ** 20))
+    return _digest(pickled, _sha(pickled.payload), pieces, layout)
 
 
 def carry(manifest, parent, groups, module_names, volatile_names):
@@ -194,17 +215,30 @@ def check_compatible(manifest):
 def load_group(store, group, namespace):
     """Load one group's members into `namespace` (functions bound to it)."""
     payload = store.blob(group["key"])
-    buffers = [store.blob(k) for k in group["buffers"]]
+    keys = iter(group["buffers"])
+    buffers = [_assemble(store, [next(keys) for _ in range(count)])
+               for count in group.get("layout") or [1] * len(group["buffers"])]
     with serializer.loading_into(namespace):
         values = serializer.loads(payload, buffers, group["pickler"])
     namespace.update(zip(group["members"], values))
-    _remember_loaded(buffers, group["buffers"])
 
 
-def _remember_loaded(buffers, keys):
-    """Record the blob keys of buffers just loaded, so an unchanged one is not rehashed."""
-    for buffer, key in zip(buffers, keys):
-        pages.remember(memoryview(buffer), key)
+def _assemble(store, keys):
+    """One writable buffer from its chunks; each chunk's key is remembered."""
+    parts = [store.blob(k) for k in keys]
+    if len(parts) == 1:
+        buffer = parts[0]
+    else:
+        buffer = bytearray(sum(len(p) for p in parts))
+        offset = 0
+        for part in parts:
+            buffer[offset:offset + len(part)] = part
+            offset += len(part)
+    view, offset = memoryview(buffer), 0
+    for part, key in zip(parts, keys):
+        pages.remember(view[offset:offset + len(part)], key)
+        offset += len(part)
+    return buffer
 
 
 def load_modules(manifest, namespace, names=None):
