@@ -87,6 +87,11 @@ def test_small_cell_beside_big_dataframe_adds_little(make_server, tmp_path):
     before = store_bytes(data)
     srv.execute("df['new'] = 1.0", state="small", new="col")
     assert store_bytes(data) - before < 12 * 2 ** 20
+    # A masked write into one column of the 2-D block stores about that column.
+    before = store_bytes(data)
+    srv.execute("df.loc[df[0] > 0.5, 3] = -1.0", state="col", new="masked")
+    assert store_bytes(data) - before < 1.2 * 8_000_000
+    assert srv.value("masked", "float(df.loc[df[0] > 0.5, 3].max())") == "-1.0"
 
 
 def test_sigkill_during_executions_loses_no_answered_state(make_server, tmp_path):
