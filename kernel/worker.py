@@ -234,13 +234,14 @@ class Holder(Process):
     def serve(self, announce):
         """Idle loop: fork children on request, load pending groups meanwhile.
 
-        The first spare child is forked right after `announce` goes out (a
-        fork costs milliseconds), so it is ready by the time the client has
-        read the answer and sent its next cell.
+        The spare children are forked right after `announce` goes out (a
+        fork costs milliseconds), so one is ready by the time the client has
+        read the answer and sent its next cell; with two, a cell sent while
+        the next spare is still being forked finds the other one ready.
         """
         wake = self.reaper()
         self.channel.send(announce)
-        if self.settings["workers.spare_children"]:
+        for _ in range(self.settings["workers.spare_children"]):
             self.fork_child()
         while True:
             busy = self.background and (self.pending or self.volatile_pending)
