@@ -16,8 +16,8 @@ names per client as Plainbook does), 10 % interrupts of a sleeping cell,
   answer KeyboardInterrupt; everything else must succeed);
 - no lost state: every state a client still expects is listed and holds
   exactly its value; every deleted one answers 404;
-- no leaked process: at most a zygote plus a holder and a spare per live
-  state remain below the server, and none after it stops.
+- no leaked process: at most a zygote plus a holder and its spares per
+  live state remain below the server, and none after it stops.
 
 It prints a JSON summary (latencies of successful executions in ms) and,
 with --write-benchmarks, replaces the `## Load` section of that file.
@@ -32,13 +32,17 @@ import platform
 import random
 import re
 import signal
+import subprocess
 import sys
 import tempfile
 import threading
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from faults import Server, alive  # noqa: E402
+from faults import ROOT, Server, alive  # noqa: E402
+
+sys.path.insert(0, ROOT)
+from kernel import config  # noqa: E402
 
 
 def percentile(values, q):
@@ -209,6 +213,15 @@ def machine():
             f"Linux {platform.release()}, Python {platform.python_version()}")
 
 
+def commit():
+    """The short hash of the checked-out commit ("unknown" outside git)."""
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT,
+                              capture_output=True, text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
 def main(argv=None):
     """Run the load; exit status 0 if every check passed."""
     p = argparse.ArgumentParser(description="Concurrent clients against one server")
@@ -218,6 +231,7 @@ def main(argv=None):
     p.add_argument("--write-benchmarks", metavar="FILE",
                    help="replace the '## Load' section of FILE with the figures")
     args = p.parse_args(argv)
+    load_before = os.getloadavg()[0]
     work = tempfile.mkdtemp(prefix="snapk-load-")
     log = open(os.path.join(work, "server.log"), "ab")
     server = Server(os.path.join(work, "store"), log)
@@ -241,9 +255,12 @@ def main(argv=None):
         problems += verify(server, clients)
         time.sleep(1)  # spares replacing the ones just used settle
         workers = server.workers()
-        live = 16  # workers.max_live_states of config.toml
-        if len(workers) > 1 + 2 * live:
-            problems.append(f"{len(workers)} worker processes for at most {live} live states")
+        settings = config.load()
+        live = settings["workers.max_live_states"]
+        spares = int(settings["workers.spare_children"])
+        if len(workers) > 1 + live * (1 + spares):
+            problems.append(f"{len(workers)} worker processes for at most {live} live states "
+                            f"with {spares} spare(s) each")
     finally:
         workers = server.workers()
         server.proc.send_signal(signal.SIGTERM)
@@ -274,7 +291,8 @@ def main(argv=None):
         write_section(args.write_benchmarks, f"""## Load
 
 `python scripts/load.py --clients {args.clients} --per-client {args.per_client}` on
-{machine()}.
+{machine()}; commit {commit()}, {time.strftime("%Y-%m-%d %H:%M", time.gmtime())} UTC;
+load average {load_before:.1f} when it started (the machine is shared with other jobs).
 
 {args.clients} concurrent clients, {args.per_client} operations each, against one server with
 the default config.toml: {counts['shared']} cells from a shared state (auto-named new
@@ -291,8 +309,8 @@ client, while the other clients run.
 
 Wall time {summary['wall_s']} s. Errors answered: 0. States lost: 0 of
 {summary['states_checked']} checked by value (deleted ones answer 404). Worker processes
-left after the run: within one zygote plus a holder and a spare per live state; after
-SIGTERM: none.
+left after the run: within one zygote plus a holder and its spares per live state;
+after SIGTERM: none.
 
 """)
     return 0 if not problems else 1

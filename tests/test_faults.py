@@ -5,7 +5,6 @@ The limits run on a server of their own (`limited`); the 5-round version of
 scripts/faults.py runs at the end.
 """
 
-import os
 import subprocess
 import sys
 import threading
