@@ -228,6 +228,8 @@ def main(argv=None):
     p.add_argument("--clients", type=int, default=8)
     p.add_argument("--per-client", type=int, default=100)
     p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--alone", type=int, default=30,
+                   help="operations of one client alone before the concurrent run")
     p.add_argument("--write-benchmarks", metavar="FILE",
                    help="replace the '## Load' section of FILE with the figures")
     args = p.parse_args(argv)
@@ -236,11 +238,14 @@ def main(argv=None):
     log = open(os.path.join(work, "server.log"), "ab")
     server = Server(os.path.join(work, "store"), log)
     rng = random.Random(args.seed)
-    problems = []
+    problems, alone = [], None
     try:
         server.call("POST", "/execute", {"code": "import numpy as np\nbase = np.arange(100_000)",
                                          "exec_id": "setup", "state_name": "initial",
                                          "new_state_name": "shared"})
+        # One client alone first: the latency without contention, for comparison.
+        alone = Client(server, "alone", args.alone, random.Random(rng.random()))
+        alone.run()
         clients = [Client(server, k, args.per_client, random.Random(rng.random()))
                    for k in range(args.clients)]
         threads = [threading.Thread(target=c.run) for c in clients]
@@ -252,7 +257,8 @@ def main(argv=None):
         wall = time.monotonic() - start
         for c in clients:
             problems += [f"client {c.k}: {p}" for p in c.problems]
-        problems += verify(server, clients)
+        problems += [f"client alone: {p}" for p in alone.problems]
+        problems += verify(server, clients + [alone])
         time.sleep(1)  # spares replacing the ones just used settle
         workers = server.workers()
         settings = config.load()
@@ -272,6 +278,7 @@ def main(argv=None):
         problems.append(f"processes left after SIGTERM: {leaked}")
     lat = {k: [x for c in clients for x in c.latencies[k]] for k in ("shared", "private")}
     every = lat["shared"] + lat["private"]
+    alone_lat = alone.latencies["shared"] + alone.latencies["private"]
     counts = {k: sum(c.counts[k] for c in clients) for k in clients[0].counts}
     summary = {
         "clients": args.clients, "per_client": args.per_client, "wall_s": round(wall, 1),
@@ -281,12 +288,20 @@ def main(argv=None):
         "shared_p99_ms": round(percentile(lat["shared"], 99), 1),
         "private_p50_ms": round(percentile(lat["private"], 50), 1),
         "private_p99_ms": round(percentile(lat["private"], 99), 1),
+        "alone_p50_ms": round(percentile(alone_lat, 50), 1) if alone_lat else None,
+        "alone_p99_ms": round(percentile(alone_lat, 99), 1) if alone_lat else None,
         "states_checked": sum(len(c.expected) for c in clients),
         "problems": len(problems),
     }
     for problem in problems[:30]:
         print("PROBLEM", problem)
     print(json.dumps(summary))
+    rows = "\n".join(
+        f"| {label} ({n}) | {summary[key + 'p50_ms']} ms | {summary[key + 'p99_ms']} ms |"
+        for label, n, key in [("all", len(every), ""),
+                              ("from the shared state", len(lat["shared"]), "shared_"),
+                              ("private chains", len(lat["private"]), "private_"),
+                              ("one client alone, before", len(alone_lat), "alone_")])
     if args.write_benchmarks and not problems:
         write_section(args.write_benchmarks, f"""## Load
 
@@ -303,9 +318,7 @@ client, while the other clients run.
 
 | executions | p50 | p99 |
 |---|---|---|
-| all ({len(every)}) | {summary['p50_ms']} ms | {summary['p99_ms']} ms |
-| from the shared state ({len(lat['shared'])}) | {summary['shared_p50_ms']} ms | {summary['shared_p99_ms']} ms |
-| private chains ({len(lat['private'])}) | {summary['private_p50_ms']} ms | {summary['private_p99_ms']} ms |
+{rows}
 
 Wall time {summary['wall_s']} s. Errors answered: 0. States lost: 0 of
 {summary['states_checked']} checked by value (deleted ones answer 404). Worker processes

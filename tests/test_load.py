@@ -13,7 +13,7 @@ from conftest import ROOT
 
 def test_eight_clients_no_errors_no_lost_states_no_leaked_processes():
     run = subprocess.run([sys.executable, "scripts/load.py", "--clients", "8",
-                          "--per-client", "12"],
+                          "--per-client", "12", "--alone", "5"],
                          cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     summary = json.loads(run.stdout.strip().splitlines()[-1])

@@ -50,8 +50,8 @@ def test_token_is_compared_in_constant_time():
 def test_token_never_logged_nor_given_to_cells(make_server, tmp_path, monkeypatch):
     log_file = tmp_path / "server.log"
     monkeypatch.setenv("SNAPSHOT_KERNEL_TOKEN", SECRET)
-    srv = make_server(token=None, extra_args=["--verbose"],
-                      config=f'[server]\nlog_file = "{log_file}"\n[workers]\nmax_live_states = 1\n')
+    srv = make_server(token=None, extra_args=["--verbose"], config=(
+        f'[server]\nlog_file = "{log_file}"\n[workers]\nmax_live_states = 1\n'))
     srv.token = SECRET
     srv.execute("x = 1", new="log-a")
     srv.execute("y = 2", new="log-b")  # evicts log-a (a log line)
