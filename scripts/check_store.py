@@ -28,12 +28,12 @@ if ROOT not in sys.path:
 
 import argparse  # noqa: E402
 import hashlib  # noqa: E402
-import json  # noqa: E402
 
 import lmdb  # noqa: E402
+import zstandard  # noqa: E402
 
 from kernel import config as config_mod  # noqa: E402
-from storage.store import Store, StoreError  # noqa: E402
+from storage.store import Store, StoreError, decode_manifest  # noqa: E402
 
 DATA_FILE = "data.mdb"
 _LISTED = 20  # unreferenced blobs listed by key; the rest are only counted
@@ -115,9 +115,9 @@ def check(store, out=print):
     referenced = {}  # key -> [(state, members, role)]
     for name, raw in sorted(raw_manifests.items()):
         try:
-            manifest = json.loads(raw)
-        except ValueError as exc:
-            problems.append((name, "-", "-", f"manifest is not valid JSON ({exc})"))
+            manifest = decode_manifest(raw)
+        except (ValueError, zstandard.ZstdError) as exc:
+            problems.append((name, "-", "-", f"manifest is not readable JSON ({exc})"))
             continue
         for members, role, key in group_refs(name, manifest, problems):
             referenced.setdefault(key, []).append((name, members, role))

@@ -19,6 +19,19 @@ FORMAT_VERSION = 1
 _RAW, _ZSTD = b"R", b"Z"
 
 
+def encode_manifest(manifest):
+    """A manifest as stored: zstd-compressed JSON (a read-only cell's growth is its manifest)."""
+    return zstandard.ZstdCompressor(level=3).compress(json.dumps(manifest).encode())
+
+
+def decode_manifest(raw):
+    """A stored manifest: zstd-compressed JSON, or plain JSON (which starts with '{')."""
+    raw = bytes(raw)
+    if not raw.startswith(b"{"):
+        raw = zstandard.ZstdDecompressor().decompress(raw)
+    return json.loads(raw)
+
+
 class StoreError(Exception):
     """The store cannot be used; the message names the path and what to do."""
 
@@ -95,12 +108,12 @@ class Store:
         """The manifest of state `name`, or None."""
         with self.env.begin(db=self.states) as txn:
             raw = txn.get(name.encode())
-        return None if raw is None else json.loads(raw)
+        return None if raw is None else decode_manifest(raw)
 
     def manifests(self):
         """Every manifest, {name: manifest}."""
         with self.env.begin(db=self.states) as txn:
-            return {k.decode(): json.loads(v) for k, v in txn.cursor()}
+            return {k.decode(): decode_manifest(v) for k, v in txn.cursor()}
 
     def delete_states(self, names):
         """Remove manifests (their blobs stay until garbage collection)."""
@@ -147,7 +160,7 @@ class Store:
             with self.env.begin(write=True) as txn:
                 for key, record in records.items():
                     txn.put(bytes.fromhex(key), record, db=self.blobs, overwrite=False)
-                txn.put(name.encode(), json.dumps(manifest).encode(), db=self.states)
+                txn.put(name.encode(), encode_manifest(manifest), db=self.states)
         except lmdb.MapFullError:
             raise StoreFull(f"the store at {self.path} is full (max_store_gb); delete "
                             f"states and run scripts/gc_states.py, or raise the limit") from None

@@ -18,7 +18,7 @@ import lmdb
 import pytest
 
 from conftest import ROOT, Server
-from storage.store import Store, referenced_blobs
+from storage.store import Store, decode_manifest, referenced_blobs
 
 SHARED_SUM = sum(range(50000))
 
@@ -61,7 +61,7 @@ def backdate(data_dir, names, days):
         states = env.open_db(b"states")
         with env.begin(db=states, write=True) as txn:
             for name in names:
-                manifest = json.loads(txn.get(name.encode()))
+                manifest = decode_manifest(txn.get(name.encode()))
                 when = datetime.datetime.fromisoformat(manifest["created"])
                 when -= datetime.timedelta(days=days)
                 manifest["created"] = manifest["timestamp"] = when.isoformat()

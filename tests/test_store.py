@@ -9,6 +9,7 @@ import threading
 import lmdb
 
 from conftest import ROOT
+from storage.store import decode_manifest
 
 
 def store_bytes(data_dir):
@@ -218,7 +219,7 @@ def test_state_from_another_python_is_refused_clearly(make_server, tmp_path):
     states = env.open_db(b"states")
     import json
     with env.begin(write=True) as txn:
-        manifest = json.loads(txn.get(b"old", db=states))
+        manifest = decode_manifest(txn.get(b"old", db=states))
         manifest["python"] = "cpython-3.9"
         manifest["id"] = "other-id"
         txn.put(b"old", json.dumps(manifest).encode(), db=states)
