@@ -17,6 +17,7 @@ BENCHMARKS.md; every other `## ` section of that file is kept.
     python scripts/bench.py --quick      # < 3 minutes, states up to 100 MB
     python scripts/bench.py              # < 30 minutes, states up to 1 GB
     python scripts/bench.py --only a,b3 --no-write   # a subset, print only
+    python scripts/bench.py --profile    # where our server's time goes, phase by phase
 """
 
 import argparse
@@ -456,6 +457,18 @@ def wl_trivial(peers, p, table, keep):
             ok = ok and med["ref"] >= 10 * med["ours"]
             target = "≤ 10 ms; ≥ 10× faster than ref"
         table.add("a", f"x += 1, state {label} (median of {p['runs']})", med, target, ok)
+        if size in (0, 100 * MB) and not strings:
+            # The same with a pause before each cell, as between a person's cells: the
+            # difference is what back-to-back cells wait for (e.g. a spare still warming).
+            paused = {k: [] for k in peers}
+            for _ in range(p["runs"]):
+                for peer in peers.values():
+                    time.sleep(0.2)
+                    elapsed, answer = peer.must("x += 1", base)
+                    paused[peer.kind].append(elapsed)
+                    peer.delete(answer["state_name"])
+            table.add("a", f"x += 1, state {label}, 0.2 s pause before each cell",
+                      {k: median(v) for k, v in paused.items()})
         if size == p["big"] and not strings:
             keep["big"] = base
         else:
@@ -509,10 +522,13 @@ def wl_sequence(peers, name, setup, cells, table):
     return per
 
 
-def wl_append(peers, p, table):
+def wl_append(peers, p, table, details):
     """(b1) 30 cells, each adding a new 1 MiB array."""
-    cells = [f"a{i} = np.random.default_rng({i}).random(131072)" for i in range(30)]
+    # Seeds used nowhere else: a shared prefix of another random array would dedupe.
+    cells = [f"a{i} = np.random.default_rng({1000 + i}).random(131072)" for i in range(30)]
     per = wl_sequence(peers, "b1", SETUP, cells, table)
+    details.append(("b1: store growth of each cell, KB (this server)",
+                    " ".join(f"{r['added'] / 1e3:.0f}" for r in per["ours"])))
     lat = {k: median(r["latency"] for r in rows) for k, rows in per.items()}
     table.add("b1", "append 1 MiB array: latency/cell (median of 30)", lat)
     ours = [r["added"] for r in per["ours"]]
@@ -767,7 +783,7 @@ def run(p, only, venv, keep_dir):
             elif name == "e":
                 wl_metadata(peers, p, table, keep)
             elif name == "b1":
-                wl_append(peers, p, table)
+                wl_append(peers, p, table, details)
             elif name == "b2":
                 wl_update(peers, p, table, details)
             elif name == "b3":
@@ -786,6 +802,174 @@ def run(p, only, venv, keep_dir):
         else:
             shutil.rmtree(workdir, ignore_errors=True)
     return table, details, time.perf_counter() - started
+
+
+# Profile of our hot path -------------------------------------------------------------
+
+# Installed as sitecustomize.py into our server and its workers by --profile: it
+# wraps kernel and store methods to log their durations (and with --cprofile a
+# cProfile of each cell's child) as JSON lines. Nothing in kernel/ is changed.
+PROFILE_HOOKS = """
+\"\"\"bench.py --profile: phase timings of the snapshot kernel's processes.\"\"\"
+import json
+import os
+import time
+
+OUT = os.environ.get("SNAPBENCH_PROFILE_DIR")
+
+
+def log(rec):
+    \"\"\"Append one record of this process.\"\"\"
+    with open(os.path.join(OUT, "records.jsonl"), "a") as f:
+        f.write(json.dumps(rec) + "\\n")
+
+
+def wrap(owner, name, key, per_cell=False):
+    \"\"\"Time owner.name: into the running cell's record, or as a record of its own.\"\"\"
+    orig = getattr(owner, name)
+
+    def timed(*args, **kwargs):
+        \"\"\"The wrapped call.\"\"\"
+        started = time.perf_counter()
+        try:
+            return orig(*args, **kwargs)
+        finally:
+            ms = (time.perf_counter() - started) * 1e3
+            if CELL is not None:
+                CELL[key] = CELL.get(key, 0.0) + ms
+            elif not per_cell:
+                log({key: ms})
+    setattr(owner, name, timed)
+
+
+CELL = None
+
+
+def install():
+    \"\"\"Wrap the methods on the hot path.\"\"\"
+    global CELL
+    from kernel import pool, registry, worker
+    from storage import snapshot, store
+    holder = worker.Holder
+    run, become = holder.run, holder.become_holder
+
+    def run_timed(self, msg):
+        \"\"\"A child starts a request: open its record (and profile).\"\"\"
+        global CELL
+        CELL = {"t0": time.perf_counter()}
+        if os.environ.get("SNAPBENCH_CPROFILE"):
+            import cProfile
+            CELL["prof"] = cProfile.Profile()
+            CELL["prof"].enable()
+        return run(self, msg)
+
+    def become_timed(self, manifest, answer):
+        \"\"\"The child is about to answer: close its record.\"\"\"
+        global CELL
+        if CELL is not None:
+            rec, CELL = CELL, None
+            prof = rec.pop("prof", None)
+            if prof is not None:
+                prof.disable()
+                prof.dump_stats(os.path.join(OUT, f"cell-{os.getpid()}-{time.time_ns()}.prof"))
+            rec["child_total"] = (time.perf_counter() - rec.pop("t0")) * 1e3
+            log(rec)
+        return become(self, manifest, answer)
+
+    holder.run, holder.become_holder = run_timed, become_timed
+    for name in ("prepare", "run_cell", "save"):
+        wrap(holder, name, "child_" + name, per_cell=True)
+    wrap(holder, "warm", "spare_warm")
+    wrap(snapshot, "save_groups", "child_save_groups", per_cell=True)
+    wrap(store.Store, "put_state", "child_put_state", per_cell=True)
+    wrap(store.Store, "missing", "child_store_missing", per_cell=True)
+    wrap(registry.Kernel, "execute", "server_execute")
+    wrap(pool.Pool, "take_child", "server_take_child")
+
+
+if OUT:
+    try:
+        install()
+    except Exception as exc:
+        log({"install_error": repr(exc)})
+"""
+
+PHASES = [("client round trip", "client"), ("server: Kernel.execute", "server_execute"),
+          ("server: wait for a child (take_child)", "server_take_child"),
+          ("child: whole request", "child_total"), ("child: prepare (read analysis)",
+                                                     "child_prepare"),
+          ("child: run_cell", "child_run_cell"), ("child: save", "child_save"),
+          ("child: save_groups (pickle, hash)", "child_save_groups"),
+          ("child: Store.missing", "child_store_missing"),
+          ("child: put_state (LMDB commit)", "child_put_state"),
+          ("spare: warm (after its fork)", "spare_warm")]
+
+
+def profile(gaps, cprofile):
+    """Phase timings of our server on a (0 B, 100 MB) and b3, per pause between cells."""
+    tmp = tempfile.mkdtemp(prefix="snapshot-bench-profile-")
+    site = os.path.join(tmp, "site")
+    os.makedirs(site)
+    with open(os.path.join(site, "sitecustomize.py"), "w") as f:
+        f.write(PROFILE_HOOKS)
+    records = os.path.join(tmp, "records")
+    os.makedirs(records)
+    os.environ["SNAPBENCH_PROFILE_DIR"] = records
+    if cprofile:
+        os.environ["SNAPBENCH_CPROFILE"] = "1"
+    os.environ["PYTHONPATH"] = os.pathsep.join(
+        [site, ROOT] + [x for x in os.environ.get("PYTHONPATH", "").split(os.pathsep) if x])
+    peer = Peer("ours", tmp, None)
+    peer.start()
+    results = {}
+    try:
+        peer.must(frame_cell(0), new="p0")
+        peer.must(frame_cell(100 * MB), new="p100")
+        peer.must(UPDATE_SETUP, new="p-b3")
+        for gap in gaps:
+            for name, base, cells, chain in (
+                    ("a: x += 1, 0 B", "p0", ["x += 1"] * 30, False),
+                    ("a: x += 1, 100 MB", "p100", ["x += 1"] * 20, False),
+                    ("b3: read-only cells, 1M rows", "p-b3", (READS * 2)[:20], True)):
+                for f in os.listdir(records):
+                    os.unlink(os.path.join(records, f))
+                clients, state = [], base
+                for code in cells:
+                    time.sleep(gap)
+                    elapsed, answer = peer.must(code, state)
+                    clients.append(elapsed * 1e3)
+                    if chain:
+                        state = answer["state_name"]
+                    else:
+                        peer.delete(answer["state_name"])
+                time.sleep(0.3)
+                merged = {"client": clients}
+                path = os.path.join(records, "records.jsonl")
+                for line in open(path) if os.path.exists(path) else ():
+                    for key, ms in json.loads(line).items():
+                        merged.setdefault(key, []).append(ms)
+                if cprofile:
+                    dest = os.path.join(tmp, f"cprofile-{len(results)}")
+                    os.makedirs(dest)
+                    for f in os.listdir(records):
+                        if f.endswith(".prof"):
+                            shutil.move(os.path.join(records, f), dest)
+                    print(f"cProfile of '{name}' (gap {gap} s): {dest}/*.prof")
+                results[(name, gap)] = merged
+    finally:
+        peer.stop()
+    head = ["phase (median ms)"] + [f"{n}, {g} s pause" for n, g in results]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for label, key in PHASES:
+        cells = [label]
+        for merged in results.values():
+            values = merged.get(key)
+            cells.append(f"{median(values):.2f} (n={len(values)})" if values else "-")
+        lines.append("| " + " | ".join(cells) + " |")
+    print("\n".join(lines))
+    if not cprofile:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return "\n".join(lines)
 
 
 # BENCHMARKS.md -------------------------------------------------------------------
@@ -831,6 +1015,7 @@ HOW_TO_RUN = """\
 python scripts/bench.py --quick    # under 3 minutes: states up to 100 MB, 5 runs
 python scripts/bench.py            # under 30 minutes: states up to 1 GB, 7 runs
 python scripts/bench.py --only a,b3 --no-write    # some workloads, print only
+python scripts/bench.py --profile  # this server only: median ms of each phase of a cell
 ```
 
 The script installs snapshot-kernel 0.2.1 with numpy and pandas into a
@@ -845,7 +1030,10 @@ of the manifests, read from the LMDB file between cells; for dill it is
 the size of the checkpoint written after the cell. "ours vs X" is how
 many times better this server is (> 1× = better). A cell's own time in b3
 is the plain `exec` time the dill baseline measured for it (display
-included)."""
+included). `--profile` installs a `sitecustomize` into this server's
+processes that times the phases of each cell (server, child, store; with
+`--cprofile` also a cProfile of each cell's child), without changing the
+code under test."""
 
 
 def write_markdown(path, p, table, details, seconds, mach):
@@ -872,7 +1060,16 @@ def main(argv=None):
     ap.add_argument("--out", default=os.path.join(ROOT, "BENCHMARKS.md"))
     ap.add_argument("--no-write", action="store_true", help="print the table only")
     ap.add_argument("--keep", action="store_true", help="keep the stores and server logs")
+    ap.add_argument("--profile", action="store_true",
+                    help="instead: phase timings of this server on a (0 B, 100 MB) and b3")
+    ap.add_argument("--gaps", default="0,0.2",
+                    help="with --profile: pauses before each cell, in seconds")
+    ap.add_argument("--cprofile", action="store_true",
+                    help="with --profile: also keep a cProfile of every cell's child")
     args = ap.parse_args(argv)
+    if args.profile:
+        profile([float(g) for g in args.gaps.split(",")], args.cprofile)
+        return
     p = plan(args.quick)
     only = set(args.only.split(",")) if args.only else None
     mach = machine()
