@@ -102,6 +102,25 @@ def group_refs(name, manifest, problems):
     return refs
 
 
+def chunk_refs(store, name, manifest, problems):
+    """[(members, role, key)] of the chunks named by a manifest's chunk lists."""
+    refs = []
+    for group in manifest.get("groups", []) if isinstance(manifest, dict) else []:
+        layout = group.get("layout") if isinstance(group, dict) else None
+        if not isinstance(layout, list):
+            continue
+        label = ", ".join(map(str, group.get("members", [])))
+        for index, (key, count) in enumerate(zip(group.get("buffers", []), layout)):
+            if count == 1 or not _is_key(key) or blob_problem(store, key):
+                continue  # a bad chunk list is reported as its own blob's problem
+            chunks = store.chunk_list(key)
+            if len(chunks) != count:
+                problems.append((name, label, key, f"chunk list names {len(chunks)} "
+                                                   f"chunks, the manifest {count}"))
+            refs += [(label, f"chunk {i} of buffer {index}", k) for i, k in enumerate(chunks)]
+    return refs
+
+
 def _is_key(key):
     """True for a 64-digit lowercase hex SHA-256."""
     return (isinstance(key, str) and len(key) == 64
@@ -120,6 +139,8 @@ def check(store, out=print):
             problems.append((name, "-", "-", f"manifest is not readable JSON ({exc})"))
             continue
         for members, role, key in group_refs(name, manifest, problems):
+            referenced.setdefault(key, []).append((name, members, role))
+        for members, role, key in chunk_refs(store, name, manifest, problems):
             referenced.setdefault(key, []).append((name, members, role))
     verdicts = {}
     for key, users in sorted(referenced.items()):

@@ -44,8 +44,7 @@ import shutil  # noqa: E402
 import lmdb  # noqa: E402
 
 from kernel import config as config_mod  # noqa: E402
-from storage.store import (Store, StoreError, referenced_blobs,  # noqa: E402
-                           try_server_lock)
+from storage.store import Store, StoreError, try_server_lock  # noqa: E402
 
 INITIAL = "initial"
 DATA_FILE = "data.mdb"
@@ -288,7 +287,7 @@ def _collect(store, data_dir, args, out):
     kept = {n: m for n, m in manifests.items() if n not in set(doomed)}
     referenced = set()
     for manifest in kept.values():
-        referenced |= referenced_blobs(manifest)
+        referenced |= store.referenced(manifest)
     orphans = [k for k in store.blob_keys() if k not in referenced]
     out(f"{verb} {len(doomed)} state(s) of {len(manifests)}" + (":" if doomed else ""))
     for name in doomed:

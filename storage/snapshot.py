@@ -15,7 +15,6 @@ import uuid
 
 from storage import pages, serializer
 from storage.groups import alias_groups
-from storage.store import referenced_blobs
 
 PYTHON = f"{sys.implementation.name}-{sys.version_info[0]}.{sys.version_info[1]}"
 
@@ -84,18 +83,31 @@ def _digest(pickled, payload_key, pieces, layout):
 
 
 def _pickle_group(values, namespace, class_tag, settings, records, store):
-    """Serialize one group; return its entry and add new blob records."""
+    """Serialize one group; return its entry and add new blob records.
+
+    A buffer of one chunk is referred to by the chunk's key; a longer one by
+    the key of a chunk list (the chunks' keys, 32 bytes each), so the
+    manifest stays one key per buffer however large the buffer.
+    """
     pickled = serializer.dumps(values, namespace, class_tag,
                                settings.get("store.buffer_blob_min_bytes", 65536))
     key = _sha(pickled.payload)
     pieces, layout = _chunks(pickled, settings.get("store.chunk_bytes", 2 ** 20))
-    keys = [key, *(k for _, k in pieces)]
-    new = store.missing(keys) - records.keys()
-    for k, data in zip(keys, [pickled.payload, *(p for p, _ in pieces)]):
-        if k in new:
-            records[k] = store.encode(data)
-            new.discard(k)
-    return {"key": key, "buffers": keys[1:], "layout": layout, "pickler": pickled.pickler,
+    blobs = {key: pickled.payload}
+    blobs.update((k, piece) for piece, k in pieces)
+    buffers, chunk_keys = [], iter([k for _, k in pieces])
+    for count in layout:
+        keys = [next(chunk_keys) for _ in range(count)]
+        if count == 1:
+            buffers.append(keys[0])
+        else:
+            listing = b"".join(bytes.fromhex(k) for k in keys)
+            buffers.append(_sha(listing))
+            blobs[buffers[-1]] = listing
+    new = store.missing(blobs) - records.keys()
+    for k in new:
+        records[k] = store.encode(blobs[k])
+    return {"key": key, "buffers": buffers, "layout": layout, "pickler": pickled.pickler,
             "fingerprint": _digest(pickled, key, pieces, layout)}
 
 
@@ -184,7 +196,7 @@ def carry(manifest, parent, groups, module_names, volatile_names):
 def commit(store, manifest, records):
     """Write a new state, then forget buffer keys the state no longer holds."""
     store.put_state(manifest["name"], manifest, records)
-    pages.keep_only(referenced_blobs(manifest))
+    pages.keep_only(store.referenced(manifest))
 
 
 def symbol_hash(manifest, name):
@@ -215,9 +227,9 @@ def check_compatible(manifest):
 def load_group(store, group, namespace):
     """Load one group's members into `namespace` (functions bound to it)."""
     payload = store.blob(group["key"])
-    keys = iter(group["buffers"])
-    buffers = [_assemble(store, [next(keys) for _ in range(count)])
-               for count in group.get("layout") or [1] * len(group["buffers"])]
+    layout = group.get("layout") or [1] * len(group["buffers"])
+    buffers = [_assemble(store, [key] if count == 1 else store.chunk_list(key))
+               for key, count in zip(group["buffers"], layout)]
     with serializer.loading_into(namespace):
         values = serializer.loads(payload, buffers, group["pickler"])
     namespace.update(zip(group["members"], values))

@@ -165,6 +165,20 @@ class Store:
             raise StoreFull(f"the store at {self.path} is full (max_store_gb); delete "
                             f"states and run scripts/gc_states.py, or raise the limit") from None
 
+    def chunk_list(self, key):
+        """The chunk keys (hex) listed by chunk-list blob `key`."""
+        listing = self.blob(key)
+        return [listing[i:i + 32].hex() for i in range(0, len(listing), 32)]
+
+    def referenced(self, manifest):
+        """Every blob key a manifest needs: its own, and the chunks its chunk lists name."""
+        keys = referenced_blobs(manifest)
+        for group in manifest.get("groups", []):
+            for key, count in zip(group["buffers"], group.get("layout") or []):
+                if count > 1:
+                    keys.update(self.chunk_list(key))
+        return keys
+
     def blob_keys(self):
         """Every blob key in the store (hex)."""
         with self.env.begin(db=self.blobs, buffers=True) as txn:
@@ -187,7 +201,7 @@ class Store:
 
 
 def referenced_blobs(manifest):
-    """Every blob key a manifest refers to."""
+    """The blob keys a manifest names itself (chunk lists not expanded: `Store.referenced`)."""
     keys = set()
     for group in manifest.get("groups", []):
         keys.add(group["key"])

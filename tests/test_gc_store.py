@@ -18,7 +18,7 @@ import lmdb
 import pytest
 
 from conftest import ROOT, Server
-from storage.store import Store, decode_manifest, referenced_blobs
+from storage.store import Store, decode_manifest
 
 SHARED_SUM = sum(range(50000))
 
@@ -49,9 +49,13 @@ def contents(data_dir):
         store.env.close()
 
 
-def referenced(manifests):
-    """Every blob key the manifests refer to."""
-    return set().union(*(referenced_blobs(m) for m in manifests.values()))
+def referenced(data_dir, manifests):
+    """Every blob key the manifests refer to, chunk lists expanded."""
+    store = Store(str(data_dir), readonly=True)
+    try:
+        return set().union(*(store.referenced(m) for m in manifests.values()))
+    finally:
+        store.env.close()
 
 
 def backdate(data_dir, names, days):
@@ -120,7 +124,7 @@ def assert_gc_result(data_dir, before, deleted):
     manifests, blobs = contents(data_dir)
     assert set(manifests) == set(before) - set(deleted)
     assert manifests == {n: m for n, m in before.items() if n not in deleted}
-    assert blobs == referenced(manifests)
+    assert blobs == referenced(data_dir, manifests)
 
 
 # The rules ------------------------------------------------------------------
@@ -130,7 +134,7 @@ def test_no_rule_deletes_only_unreferenced_blobs(store_copy):
     """Without a rule, every state stays and only the orphan blobs go."""
     data_dir, _ = store_copy
     before, blobs_before = contents(data_dir)
-    orphans = blobs_before - referenced(before)
+    orphans = blobs_before - referenced(data_dir, before)
     assert orphans  # the deleted state `gone` left its blob behind
     result = gc(data_dir)
     assert result.returncode == 0, result.stderr
