@@ -42,6 +42,7 @@ import lmdb
 import psutil
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+OURS_ARGS = []  # extra command-line arguments of our server (--ours-config)
 TOKEN = "bench-token"
 REF_VERSION = "0.2.1"
 PEERS = ("ours", "ref", "dill")
@@ -229,7 +230,7 @@ class Peer:
         bind = f"127.0.0.1:{port}"
         if self.kind == "ours":
             return [sys.executable, os.path.join(ROOT, "main.py"), "--bind", bind,
-                    "--token", TOKEN, "--data-dir", self.data_dir]
+                    "--token", TOKEN, "--data-dir", self.data_dir, *OURS_ARGS]
         if self.kind == "ref":
             return [self.ref_python, "-m", "snapshot_kernel.main", "--bind", bind,
                     "--token", TOKEN]
@@ -1066,7 +1067,12 @@ def main(argv=None):
                     help="with --profile: pauses before each cell, in seconds")
     ap.add_argument("--cprofile", action="store_true",
                     help="with --profile: also keep a cProfile of every cell's child")
+    ap.add_argument("--ours-config", help="a TOML file passed to this server as --config "
+                    "(e.g. to compare store.durability settings)")
     args = ap.parse_args(argv)
+    if args.ours_config:
+        OURS_ARGS[:] = ["--config", os.path.abspath(args.ours_config)]
+        args.no_write = True  # results of a non-default configuration are not the table
     if args.profile:
         profile([float(g) for g in args.gaps.split(",")], args.cprofile)
         return
