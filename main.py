@@ -413,8 +413,10 @@ def serve(host, port, s):
                 return
             super().process_conn(conn)
 
+    # A listen backlog of cheroot's default 5 drops connections of a burst of clients
+    # (each then waits a 1 s SYN retry): let the kernel queue them.
     server = Server((host, port), app, numthreads=s["server.server_threads"],
-                    timeout=s["server.socket_timeout_s"])
+                    timeout=s["server.socket_timeout_s"], request_queue_size=128)
     if s["server.certfile"] or s["server.keyfile"]:
         from cheroot.ssl.builtin import BuiltinSSLAdapter
 
