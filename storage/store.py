@@ -131,7 +131,8 @@ class Store:
 
     def missing(self, keys):
         """The subset of blob keys (hex) not yet in the store."""
-        with self.env.begin(db=self.blobs) as txn:
+        # buffers=True: an existence check must not copy the blob out of the map.
+        with self.env.begin(db=self.blobs, buffers=True) as txn:
             return {k for k in keys if txn.get(bytes.fromhex(k)) is None}
 
     def encode(self, data):
