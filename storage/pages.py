@@ -85,14 +85,25 @@ def _covers(owner, address, size):
     return start is not None and start <= address and address + size <= start + view.nbytes
 
 
+_pagemap_fd = [None, None]  # (pid, fd): an fd opened before a fork shows the parent's pages
+
+
+def _pagemap():
+    """This process's /proc/self/pagemap, opened once per process."""
+    pid = os.getpid()
+    if _pagemap_fd[0] != pid:
+        if _pagemap_fd[1] is not None:
+            os.close(_pagemap_fd[1])  # the parent's, inherited through fork
+        _pagemap_fd[:] = [pid, os.open("/proc/self/pagemap", os.O_RDONLY | os.O_CLOEXEC)]
+    return _pagemap_fd[1]
+
+
 def _untouched(address, size):
     """True if every page of [address, address+size) is present and still shared."""
     first, last = address // _PAGE, (address + size - 1) // _PAGE
     count = last - first + 1
     try:
-        with open("/proc/self/pagemap", "rb") as f:
-            f.seek(first * 8)
-            raw = f.read(count * 8)
+        raw = os.pread(_pagemap(), count * 8, first * 8)
     except OSError:
         return False
     if len(raw) != count * 8:
