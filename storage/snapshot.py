@@ -206,9 +206,7 @@ def symbol_hash(manifest, name):
             return group["hashes"][name]
     if name in manifest["modules"]:
         return _sha(f"module\0{manifest['modules'][name]}".encode())
-    if name in manifest["volatile"]:
-        return None
-    return None
+    return None  # absent, or volatile (never pickled, so it has no hash)
 
 
 class IncompatibleState(Exception):
