@@ -405,7 +405,7 @@ def run_cell(cell, namespace, execution_count, settings):
         except BaseException as exc:  # the cell's error, whatever it is
             failure = exc
             error = _safe_error(exc, execution_count)
-        outputs.post_run_events(info, failure, value)
+        outputs.post_run_events(info, cell.source, failure, value)
     except BaseException as exc:  # an interrupt just after the cell, or a failing hook
         if error is None:
             error = _safe_error(exc, execution_count)

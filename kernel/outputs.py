@@ -27,6 +27,8 @@ import contextlib
 import ctypes
 import fcntl
 import getpass
+import importlib.abc
+import importlib.util
 import io
 import json
 import os
@@ -68,6 +70,7 @@ DISABLE_IPYTHON = False
 
 _active = None  # the OutputCollector of the running cell, if any
 _shell = None  # the private IPython shell, created on first use
+_lent = None  # the shell's own (user_ns, user_module) while a cell's namespace is lent to it
 _PUNCH_BYTES = 1 << 20  # read fd-level output is released from memory in steps of this
 _user_figure_formats = [None]  # set by %config InlineBackend.figure_format(s)
 
@@ -182,6 +185,7 @@ class OutputCollector:
         self.size = 0
         self.truncated = False
         self.drain = None
+        self.namespace = None  # the cell's globals, lent to the IPython shell when it is used
         self.lock = threading.RLock()
         self._clear_pending = False
 
@@ -677,14 +681,36 @@ def ipython_available():
 
 
 def get_shell():
-    """The private IPython shell (created once per process), or None without IPython."""
+    """The private IPython shell, or None without IPython.
+
+    Created on first use, once per process: the zygote makes it while it
+    warms up, but a cold worker (see kernel/worker.py) leaves it to the
+    first cell that displays a rich object, calls get_ipython() or uses a
+    magic. Inside a cell it works on the cell's namespace.
+    """
     global _shell
-    if _shell is not None or DISABLE_IPYTHON:
-        return _shell
-    if not ipython_available():
-        return None
-    _shell = _make_shell()
+    if _shell is None and not DISABLE_IPYTHON and ipython_available():
+        _shell = _shell or _make_shell()  # importing IPython just now may have made it
+    if _shell is not None:
+        _lend_namespace(_shell)
     return _shell
+
+
+def _lend_namespace(shell):
+    """Point the shell at the running cell's namespace (given back when the capture ends)."""
+    global _lent
+    if _lent is not None or _active is None or _active.namespace is None:
+        return
+    _lent = (shell.user_ns, shell.user_module)
+    shell.user_ns = _active.namespace
+    main = sys.modules.get("__main__")
+    if getattr(main, "__dict__", None) is _active.namespace:
+        shell.user_module = main
+
+
+def _get_ipython():
+    """get_ipython() in a cell of a process that has no shell yet: make it now."""
+    return get_shell()
 
 
 def _make_shell():
@@ -885,10 +911,7 @@ def _prepare_matplotlib(settings=None):
     """Select the inline backend (unless the user chose their own) and the default dpi."""
     mpl = sys.modules.get("matplotlib")
     if mpl is None:
-        try:
-            import matplotlib as mpl
-        except Exception:
-            return
+        return
     dpi = setting(settings, "display.figure_dpi")
     if _dpi_applied[0] != dpi:
         # Once per setting value, so a cell's own rcParams change is kept afterwards.
@@ -975,15 +998,14 @@ def capture(settings=None, execution_count=None, namespace=None):
     builtins, pandas options and the inline matplotlib backend, and undoes all
     of it on exit (the worker may fork again right after).
     """
-    global _active
+    global _active, _lent
     collector = OutputCollector(settings, execution_count)
-    shell = get_shell()
+    collector.namespace = namespace
     configure_pandas(settings)
     _prepare_matplotlib(settings)
     saved_sys = (sys.stdout, sys.stderr)
     saved_builtins = {k: builtins.__dict__[k] for k in ("display", "input", "get_ipython")
                       if k in builtins.__dict__}
-    shell_ns = None
     fds = None
     saved_getpass = None
     try:
@@ -995,15 +1017,12 @@ def capture(settings=None, execution_count=None, namespace=None):
         builtins.input = _no_input
         saved_getpass = getpass.getpass
         getpass.getpass = _no_getpass
-        if shell is not None:
-            shell_ns = (shell.user_ns, shell.user_module)
-            if namespace is not None:
-                shell.user_ns = namespace
-                main = sys.modules.get("__main__")
-                if getattr(main, "__dict__", None) is namespace:
-                    shell.user_module = main
-            builtins.get_ipython = shell.get_ipython
         _active = collector
+        if _shell is not None:
+            _lend_namespace(_shell)
+            builtins.get_ipython = _shell.get_ipython
+        elif not DISABLE_IPYTHON:
+            builtins.get_ipython = _get_ipython
         yield collector
     finally:
         _active = None
@@ -1021,8 +1040,9 @@ def capture(settings=None, execution_count=None, namespace=None):
                 builtins.__dict__[name] = saved_builtins[name]
             else:
                 builtins.__dict__.pop(name, None)
-        if shell_ns is not None:
-            shell.user_ns, shell.user_module = shell_ns
+        if _lent is not None:
+            _shell.user_ns, _shell.user_module = _lent
+            _lent = None
 
 
 def pre_run_events(source):
@@ -1030,7 +1050,7 @@ def pre_run_events(source):
 
     Returns what post_run_events needs, or None without IPython.
     """
-    shell = get_shell()
+    shell = _shell  # without a shell yet, no extension can have registered for events
     if shell is None:
         return None
     from IPython.core.interactiveshell import ExecutionInfo
@@ -1040,15 +1060,19 @@ def pre_run_events(source):
     return info
 
 
-def post_run_events(info, error=None, result=None):
-    """IPython's post_execute / post_run_cell events, after the cell ran."""
-    if info is None:
+def post_run_events(info, source, error=None, result=None):
+    """IPython's post_execute / post_run_cell events, after the cell ran.
+
+    Also when the cell itself made the shell (`%load_ext` in a cold
+    worker): an extension it loaded sees the cell end, as in Jupyter.
+    """
+    shell = _shell
+    if shell is None:
         return
-    from IPython.core.interactiveshell import ExecutionResult
-    outcome = ExecutionResult(info)
+    from IPython.core.interactiveshell import ExecutionInfo, ExecutionResult
+    outcome = ExecutionResult(info or ExecutionInfo(source, False, False, True, None))
     outcome.error_in_exec = error
     outcome.result = result
-    shell = get_shell()
     shell.events.trigger("post_execute")
     shell.events.trigger("post_run_cell", outcome)
 
@@ -1086,3 +1110,56 @@ def warm():
     with contextlib.suppress(Exception):
         import matplotlib  # noqa: F401
         _prepare_matplotlib()
+
+
+class _AfterImport(importlib.abc.MetaPathFinder):
+    """Runs `then` right after module `name` is first imported, then leaves sys.meta_path."""
+
+    def __init__(self, name, then):
+        """Wait for `name`."""
+        self.name = name
+        self.then = then
+
+    def find_spec(self, fullname, path=None, target=None):
+        """Find `name` with the other finders and wrap its loader's exec_module."""
+        if fullname != self.name:
+            return None
+        with contextlib.suppress(ValueError):
+            sys.meta_path.remove(self)
+        spec = importlib.util.find_spec(fullname)
+        loader = spec.loader if spec is not None else None
+        if loader is None or isinstance(loader, type) or not hasattr(loader, "exec_module"):
+            return spec  # a loader shared by many modules: leave it alone
+        run = loader.exec_module
+
+        def exec_module(module):
+            """Run the module, then `then`."""
+            run(module)
+            self.then()
+
+        loader.exec_module = exec_module
+        return spec
+
+
+# What a worker needs as soon as these are imported: Jupyter's pandas limits,
+# the inline figure backend, and the shell that IPython.display functions use.
+_ON_IMPORT = {
+    "pandas": lambda: configure_pandas(current_settings()),
+    "matplotlib": lambda: _prepare_matplotlib(current_settings()),
+    "IPython": lambda: get_shell(),
+}
+
+
+def watch_imports():
+    """Once per worker process, before any cell: set each of _ON_IMPORT up now if
+    imported already, else right after a cell (or a restore) first imports it.
+
+    So a cold worker (kernel/worker.py) need not import them before its first
+    cell, and a cell that imports pandas, matplotlib or IPython.display
+    finds them set up as in Jupyter.
+    """
+    for name, then in _ON_IMPORT.items():
+        if name in sys.modules:
+            then()
+        else:
+            sys.meta_path.insert(0, _AfterImport(name, then))

@@ -72,10 +72,11 @@ class WorkerConn:
 class Holder:
     """A live holder process of one state, with its spare children."""
 
-    def __init__(self, state_id, conn):
-        """Track the holder of `state_id` on `conn`."""
+    def __init__(self, state_id, conn, cold=False):
+        """Track the holder of `state_id` on `conn`; `cold`: forked by the cold zygote."""
         self.state_id = state_id
         self.conn = conn
+        self.cold = cold
         self.spares = queue.Queue()
 
     def kill(self):
@@ -108,7 +109,7 @@ class Pool:
         self.exits = {}
         self.exit_cond = threading.Condition()
         self.conns = set()
-        self.zygote = None
+        self.zygotes = []  # connected zygotes: the cold one, then the warm one
         self.zygote_proc = None
         self.zygote_ready = threading.Condition(self.lock)
         self.req_ids = itertools.count(1)
@@ -176,8 +177,8 @@ class Pool:
             holder = self.holders_by_pid.pop(conn.pid, None)
             if holder is not None and self.live.get(holder.state_id) is holder:
                 del self.live[holder.state_id]
-            if conn is self.zygote:
-                self.zygote = None
+            if conn in self.zygotes:
+                self.zygotes.remove(conn)
         if holder is not None:
             holder.kill()
 
@@ -186,8 +187,13 @@ class Pool:
         role = conn.hello["role"]
         with self.lock:
             if role == "zygote":
-                self.zygote = conn
+                self.zygotes.append(conn)
                 self.zygote_ready.notify_all()
+                if conn.hello.get("warm"):
+                    # Restored again on their next use, their cells start warm too.
+                    for holder in [h for h in self.live.values() if h.cold]:
+                        del self.live[holder.state_id]
+                        self._drop(holder)
             elif role == "holder":
                 waiter = self.waiting_holders.pop(conn.hello["req"], None)
                 if waiter is None:
@@ -208,17 +214,19 @@ class Pool:
     # Holders -----------------------------------------------------------------
 
     def _wait_zygote(self):
-        """The zygote's connection, respawning it if it died."""
+        """The connection of the warm zygote, else the cold one; respawns them if gone."""
         deadline = time.monotonic() + self.settings["workers.worker_start_timeout_s"]
         with self.lock:
-            while self.zygote is None or not self.zygote.alive:
+            while True:
+                alive = [z for z in self.zygotes if z.alive]
+                if alive:
+                    return max(alive, key=lambda z: bool(z.hello.get("warm")))
                 if self.zygote_proc.poll() is not None:
                     self._spawn_zygote()
                 left = deadline - time.monotonic()
                 if left <= 0:
                     raise WorkerError("WorkerStartFailed", "the zygote process did not start")
                 self.zygote_ready.wait(min(left, 0.5))
-            return self.zygote
 
     def holder(self, manifest):
         """The live holder of `manifest`'s state, restoring it if needed."""
@@ -253,11 +261,11 @@ class Pool:
             conn.kill()
             msg = msg or {"ename": "WorkerDied", "evalue": "the worker restoring the state died"}
             raise WorkerError(msg.get("ename", "WorkerDied"), msg.get("evalue", str(msg)))
-        return self.adopt(manifest["id"], conn)
+        return self.adopt(manifest["id"], conn, cold=not zygote.hello.get("warm"))
 
-    def adopt(self, state_id, conn):
+    def adopt(self, state_id, conn, cold=False):
         """Make `conn` the live holder of `state_id`; evict beyond the limits."""
-        holder = Holder(state_id, conn)
+        holder = Holder(state_id, conn, cold)
         with self.lock:
             old = self.live.pop(state_id, None)
             self.live[state_id] = holder

@@ -216,8 +216,7 @@ class Kernel:
             generation = self.generation
         try:
             try:
-                holder = self.pool.holder(manifest)
-                run.child = self.pool.take_child(holder)
+                run.child = self._take_child(manifest)
             except WorkerError as exc:
                 return _empty_answer(_error(exc.ename, str(exc))), None
             if run.stopped:
@@ -232,6 +231,17 @@ class Kernel:
             with self.lock:
                 if key is not None:
                     self.running.pop(key, None)
+
+    def _take_child(self, manifest):
+        """A child of the state's live holder, restoring the state once more if that
+        holder was evicted or replaced between being found and being asked."""
+        holder = self.pool.holder(manifest)
+        try:
+            return self.pool.take_child(holder)
+        except WorkerError:
+            if holder.conn.alive:
+                raise
+            return self.pool.take_child(self.pool.holder(manifest))
 
     def _wait(self, run):
         """The child's answer, or an error saying how it was stopped or died."""

@@ -1,7 +1,8 @@
 """The worker processes: zygote, holders of live states, and cell children.
 
-The zygote is spawned by the server with imports warmed; it forks one
-holder per state to restore. A holder is idle; its `__main__` is its
+The zygote is spawned by the server; it forks at once a second, warm one
+that imports what cells commonly use, and forks holders itself (cold)
+only until that one is up. A zygote forks one holder per state to restore. A holder is idle; its `__main__` is its
 state's namespace. To run a cell the holder forks a child (one spare is
 kept forked and warmed in advance); the child runs the cell on a
 copy-on-write copy of the namespace, stores what changed, answers, and
@@ -113,18 +114,32 @@ class Process:
 
 
 def zygote_main(sock_path, settings):
-    """Entry point of the zygote: warm imports, then fork holders on request."""
+    """Entry point of the zygotes: a cold one serves at once, a warm one takes over.
+
+    The spawned process forks, first thing, a second zygote that imports
+    what cells commonly use and runs a throwaway cell before it connects
+    (seconds); holders forked from it start warm, so their cells do not pay
+    those imports again. Meanwhile the spawned one, cold, answers spawn
+    requests within milliseconds of start (a holder it forks imports what
+    its cells import, as in a fresh Python), and later stays on as the
+    reaper of its holders and the fallback should the warm one die.
+    """
     _prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
     _prctl(_PR_SET_CHILD_SUBREAPER, 1)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     os.environ["MPLBACKEND"] = "Agg"
     limits.init_zygote()
-    # Warm up before taking requests: a holder forked cold would make every
-    # child of it pay the imports again.
-    _warm(settings)
+    from kernel import cell  # every holder runs cells: imported once, here
+    cell.outputs.watch_imports()
+    warm = os.fork() == 0
+    if warm:
+        # Neither attribute survives a fork; the warm zygote dies with the cold one.
+        _prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+        _prctl(_PR_SET_CHILD_SUBREAPER, 1)
+        _warm(settings)
     namespace = _fresh_main()
     proc = Process(sock_path, settings)
-    proc.connect({"role": "zygote"})
+    proc.connect({"role": "zygote", "warm": warm})
     wake = proc.reaper()
     while True:
         ready, _, _ = select.select([proc.channel, wake], [], [])
@@ -305,7 +320,8 @@ class Holder(Process):
         from storage import serializer
         scratch = {"__builtins__": self.namespace["__builtins__"]}
         steps = (self.store,
-                 lambda: run_cell(compile_cell("_w = [1.0, 'x']\n_w", 0), scratch, 0,
+                 # len(): an int result, which needs no IPython shell in a cold worker.
+                 lambda: run_cell(compile_cell("_w = [1.0, 'x']\nlen(_w)", 0), scratch, 0,
                                   self.settings),
                  lambda: serializer.dumps([scratch.get("_w")], self.namespace))
         for step in steps:

@@ -16,8 +16,8 @@ names per client as Plainbook does), 10 % interrupts of a sleeping cell,
   answer KeyboardInterrupt; everything else must succeed);
 - no lost state: every state a client still expects is listed and holds
   exactly its value; every deleted one answers 404;
-- no leaked process: at most a zygote plus a holder and its spares per
-  live state remain below the server, and none after it stops.
+- no leaked process: at most the two zygotes (cold and warm) plus a
+  holder and its spares per live state remain below the server, and none after it stops.
 
 It prints a JSON summary (latencies of successful executions in ms) and,
 with --write-benchmarks, replaces the `## Load` section of that file.
@@ -264,7 +264,7 @@ def main(argv=None):
         settings = config.load()
         live = settings["workers.max_live_states"]
         spares = int(settings["workers.spare_children"])
-        if len(workers) > 1 + live * (1 + spares):
+        if len(workers) > 2 + live * (1 + spares):  # the cold and the warm zygote
             problems.append(f"{len(workers)} worker processes for at most {live} live states "
                             f"with {spares} spare(s) each")
     finally:
@@ -322,7 +322,7 @@ client, while the other clients run.
 
 Wall time {summary['wall_s']} s. Errors answered: 0. States lost: 0 of
 {summary['states_checked']} checked by value (deleted ones answer 404). Worker processes
-left after the run: within one zygote plus a holder and its spares per live state;
+left after the run: within the two zygotes plus a holder and its spares per live state;
 after SIGTERM: none.
 
 """)

@@ -90,17 +90,22 @@ class Store:
 
     def _check_format(self):
         """Write the format record of a new store; refuse one of another format."""
-        with self.env.begin(db=self.meta, write=not self.readonly) as txn:
+        with self.env.begin(db=self.meta) as txn:
             found = txn.get(b"format")
-            if found is None:
-                if self.readonly:
-                    raise StoreError(f"{self.path} holds no snapshot-kernel store")
-                txn.put(b"format", str(FORMAT_VERSION).encode())
-            elif found != str(FORMAT_VERSION).encode():
-                raise StoreError(
-                    f"the store at {self.path} has format {found.decode(errors='replace')}, "
-                    f"this server reads format {FORMAT_VERSION}; use a server of that "
-                    f"version or point --data-dir at another folder")
+        if found is None:
+            if self.readonly:
+                raise StoreError(f"{self.path} holds no snapshot-kernel store")
+            # Only a new store takes the write lock here: every worker opens the store.
+            with self.env.begin(db=self.meta, write=True) as txn:
+                found = txn.get(b"format")
+                if found is None:
+                    txn.put(b"format", str(FORMAT_VERSION).encode())
+                    found = str(FORMAT_VERSION).encode()
+        if found != str(FORMAT_VERSION).encode():
+            raise StoreError(
+                f"the store at {self.path} has format {found.decode(errors='replace')}, "
+                f"this server reads format {FORMAT_VERSION}; use a server of that "
+                f"version or point --data-dir at another folder")
 
     # Manifests ---------------------------------------------------------------
 

@@ -30,6 +30,7 @@ def _child(conn, cells, settings, setup):
         from kernel import outputs as kout
         if setup:
             setup(kout)
+        kout.watch_imports()  # as the worker's zygote does
         import builtins
         import threading
         results = []

@@ -26,6 +26,8 @@ _MASKS = [
     (re.compile(r"\b0x[0-9a-fA-F]+"), "0x?"),
     (re.compile(r"(CPU times|Wall time):.*"), r"\1: ?"),
     (re.compile(r".* per loop \(mean ± std\. dev\. of .*"), "? per loop"),
+    # %timeit's warning when its runs vary 4-fold: timing noise, on either side.
+    (re.compile(r"The slowest run took .* being cached\.\n?"), ""),
     (re.compile(r"T_[0-9a-f]{5}"), "T_?"),  # pandas Styler's random table id
     (re.compile(r"\r\n"), "\n"),
 ]

@@ -145,3 +145,28 @@ def test_memory_bound_evicts(make_server):
     assert not srv.get("/states/m1").json()["live"]
     assert srv.value("m1", "float(big.sum())") == "40000000.0"
 
+
+
+def test_first_cells_do_not_wait_for_the_warm_up_and_behave_the_same(make_server):
+    """A new server answers at once from its cold zygote; those cells still get pandas
+    limits, inline figures and IPython.display; then the warm zygote takes over."""
+    srv = make_server(extra_args=["--display-max-rows", "6"])
+    first = srv.execute(
+        "import sys\ncold = 'pandas' not in sys.modules\nimport pandas as pd\n"
+        "from IPython.display import clear_output\nprint('gone'); clear_output()\n"
+        "import matplotlib.pyplot as plt\nplt.plot([1, 2]); plt.show()\nprint('after')\n"
+        "pd.DataFrame({'c': range(20)})", new="first")
+    if srv.execute("cold", state="first")["output"][0]["data"]["text/plain"] != "True":
+        pytest.skip("the warm zygote was up before the first cell: no cold path to test")
+    kinds = [(o["output_type"], sorted(o.get("data", {})) or o.get("text")) for o in
+             first["output"]]
+    assert kinds == [("display_data", ["image/png", "text/plain"]), ("stream", "after\n"),
+                     ("execute_result", ["text/html", "text/plain"])]
+    assert "[20 rows x 1 columns]" in first["output"][-1]["data"]["text/plain"]
+    # Once the warm zygote is up, initial's holder is forked anew from it: pandas is
+    # imported there already.
+    deadline = time.monotonic() + 60
+    while srv.execute("import sys\n'pandas' in sys.modules", new="probe")[
+            "output"][0]["data"]["text/plain"] != "True":
+        assert time.monotonic() < deadline, "the warm zygote never took over"
+        time.sleep(0.2)
