@@ -12,6 +12,7 @@ its own channel.
 """
 
 import ctypes
+import gc
 import os
 import select
 import signal
@@ -27,6 +28,8 @@ from storage.store import Store, StoreError, StoreFull
 
 # The SIGCHLD pipe of this process, closed in forked children (which make their own).
 _wake_fds = []
+# A spare child warms up only after this long without a request (see Holder.warm).
+WARM_AFTER_S = 0.05
 _PR_SET_PDEATHSIG = 1
 _PR_SET_CHILD_SUBREAPER = 36
 
@@ -152,6 +155,7 @@ def zygote_main(sock_path, settings):
         except ChannelClosed:
             os._exit(0)
         if msg["op"] == "spawn":
+            gc.freeze()
             if os.fork() == 0:
                 _become_worker()
                 proc.channel.close()
@@ -256,6 +260,7 @@ class Holder(Process):
         """
         wake = self.reaper()
         self.channel.send(announce)
+        gc.collect()  # the last cell's cyclic garbage, before freeze() would keep it
         for _ in range(self.settings["workers.spare_children"]):
             self.fork_child()
         while True:
@@ -299,6 +304,9 @@ class Holder(Process):
     def fork_child(self):
         """Fork a child that waits, warmed, for a cell to run."""
         Store.close_before_fork()
+        # Objects inherited from now on are out of the cyclic GC's reach in the child,
+        # so a collection there does not write to (and copy) every page of the state.
+        gc.freeze()
         if os.fork() == 0:
             _become_worker()
             self.channel.close()
@@ -313,20 +321,24 @@ class Holder(Process):
     def warm(self):
         """Touch what a cell run touches, so its pages are copied before the cell.
 
-        Step by step, stopping as soon as a request waits: a request that
-        came while warming would pay for the warm-up and the cell both.
+        Only once no request came for WARM_AFTER_S, and step by step,
+        stopping as soon as a request waits: in a notebook run top to bottom
+        the next cell comes within milliseconds and would wait for the
+        warm-up, which saves it less than a millisecond.
         """
         from kernel.cell import compile_cell, run_cell
         from storage import serializer
+        self.store()
         scratch = {"__builtins__": self.namespace["__builtins__"]}
-        steps = (self.store,
-                 # len(): an int result, which needs no IPython shell in a cold worker.
-                 lambda: run_cell(compile_cell("_w = [1.0, 'x']\nlen(_w)", 0), scratch, 0,
-                                  self.settings),
-                 lambda: serializer.dumps([scratch.get("_w")], self.namespace))
+        steps = (  # len(): an int result, which needs no IPython shell in a cold worker.
+            lambda: run_cell(compile_cell("_w = [1.0, 'x']\nlen(_w)", 0), scratch, 0,
+                             self.settings),
+            lambda: serializer.dumps([scratch.get("_w")], self.namespace))
+        wait = WARM_AFTER_S
         for step in steps:
-            if select.select([self.channel], [], [], 0)[0]:
+            if select.select([self.channel], [], [], wait)[0]:
                 return
+            wait = 0
             step()
 
     # Child: run one cell ---------------------------------------------------

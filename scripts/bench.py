@@ -286,6 +286,9 @@ class Peer:
         """POST /execute; returns (seconds, answer)."""
         body = {"code": code, "exec_id": exec_id or f"b{next(_ids)}", "state_name": state,
                 "new_state_name": new or f"n{next(_ids)}"}
+        # Earlier cells' writes (the dill peer's checkpoints above all) are flushed now,
+        # not by the kernel while this cell waits on its own flush.
+        os.sync()
         elapsed, status, answer = self.client.call("POST", "/execute", body)
         if status != 200:
             answer = {"error": answer.get("error") if answer else {"ename": str(status)}}
@@ -1026,7 +1029,10 @@ the same HTTP calls: this server (`main.py` on a temporary store), the
 reference (in memory only), and `scripts/dill_baseline.py`, which runs
 cells in one namespace and dumps all of it with dill after every cell.
 Latencies are client round trips, medians, with peers interleaved run by
-run. Store growth of this server is exact: bytes of new blobs plus growth
+run. Before every cell the bench calls `os.sync()`, so the dirty pages of
+earlier cells (the dill peer writes its whole namespace each time) are
+not flushed by the kernel during the next cell, which would charge one
+peer's writes to another's disk flush. Store growth of this server is exact: bytes of new blobs plus growth
 of the manifests, read from the LMDB file between cells; for dill it is
 the size of the checkpoint written after the cell. "ours vs X" is how
 many times better this server is (> 1× = better). A cell's own time in b3
