@@ -70,7 +70,12 @@ class WorkerConn:
 
 
 class Holder:
-    """A live holder process of one state, with its spare children."""
+    """A live holder process of one state, with its spare children.
+
+    A state made by a cell gets its holder a moment later: the child that
+    made it stays as its first spare and forks the holder, which connects
+    on its own (`conn` is None until then).
+    """
 
     def __init__(self, state_id, conn, cold=False):
         """Track the holder of `state_id` on `conn`; `cold`: forked by the cold zygote."""
@@ -79,9 +84,21 @@ class Holder:
         self.cold = cold
         self.spares = queue.Queue()
 
+    def alive(self):
+        """False once the holder process is gone (True while it is still connecting)."""
+        return self.conn is None or self.conn.alive
+
+    def ask_fork(self):
+        """Ask the holder for one more spare; False if it is gone (None: not connected yet,
+        and it forks its spares as soon as it is)."""
+        if self.conn is None:
+            return None
+        return self.conn.send({"op": "fork"})
+
     def kill(self):
         """Stop the holder and its idle spares."""
-        self.conn.kill()
+        if self.conn is not None:
+            self.conn.kill()
         while True:
             try:
                 self.spares.get_nowait().kill()
@@ -105,6 +122,7 @@ class Pool:
         self.holders_by_pid = {}
         self.waiting_holders = {}
         self.early_spares = {}
+        self.early_holders = {}  # state id -> holder conn that connected before its adoption
         self.dropped = set()
         self.exits = {}
         self.exit_cond = threading.Condition()
@@ -194,16 +212,25 @@ class Pool:
                     for holder in [h for h in self.live.values() if h.cold]:
                         del self.live[holder.state_id]
                         self._drop(holder)
-            elif role == "holder":
+            elif role == "holder" and "req" in conn.hello:
                 waiter = self.waiting_holders.pop(conn.hello["req"], None)
                 if waiter is None:
                     conn.kill()
                 else:
                     waiter.put(conn)
+            elif role == "holder":
+                # Forked by the child that made its state (see Holder).
+                holder = self.live.get(conn.hello["state_id"])
+                if holder is not None and holder.conn is None:
+                    self._attach(holder, conn)
+                elif conn.hello["state_id"] in self.dropped:
+                    conn.kill()
+                else:
+                    self.early_holders[conn.hello["state_id"]] = conn
             elif role == "child":
                 state_id = conn.hello["holder_state_id"]
                 holder = self.live.get(state_id)
-                if holder is not None and holder.conn.alive:
+                if holder is not None and holder.alive():
                     holder.spares.put(conn)
                 elif state_id in self.dropped:
                     conn.kill()  # forked just before its holder was evicted or retired
@@ -232,7 +259,7 @@ class Pool:
         """The live holder of `manifest`'s state, restoring it if needed."""
         with self.lock:
             holder = self.live.get(manifest["id"])
-            if holder is not None and holder.conn.alive:
+            if holder is not None and holder.alive():
                 self.live.move_to_end(manifest["id"])
                 return holder
         return self._restore(manifest)
@@ -263,20 +290,35 @@ class Pool:
             raise WorkerError(msg.get("ename", "WorkerDied"), msg.get("evalue", str(msg)))
         return self.adopt(manifest["id"], conn, cold=not zygote.hello.get("warm"))
 
-    def adopt(self, state_id, conn, cold=False):
-        """Make `conn` the live holder of `state_id`; evict beyond the limits."""
-        holder = Holder(state_id, conn, cold)
+    def adopt(self, state_id, conn, cold=False, made=False):
+        """Make `conn` the live holder of `state_id`; evict beyond the limits.
+
+        made=True: `conn` is the child whose cell made the state; it stays
+        as the first spare, and the holder it forks is attached when it connects.
+        """
+        holder = Holder(state_id, None if made else conn, cold)
         with self.lock:
             old = self.live.pop(state_id, None)
             self.live[state_id] = holder
-            self.holders_by_pid[conn.pid] = holder
             self.dropped.discard(state_id)
+            if made:
+                holder.spares.put(conn)
+                early = self.early_holders.pop(state_id, None)
+                if early is not None:
+                    self._attach(holder, early)
+            else:
+                self.holders_by_pid[conn.pid] = holder
             for spare in self.early_spares.pop(state_id, []):
                 holder.spares.put(spare)
         if old is not None and old is not holder:
             self._drop(old)
         self._evict()
         return holder
+
+    def _attach(self, holder, conn):
+        """`conn` is the holder process of `holder`'s state (called with the lock held)."""
+        holder.conn = conn
+        self.holders_by_pid[conn.pid] = holder
 
     def take_child(self, holder):
         """A child of `holder` ready to run a request (a spare, or a new fork)."""
@@ -285,7 +327,7 @@ class Pool:
             try:
                 child = holder.spares.get_nowait()
             except queue.Empty:
-                if not holder.conn.send({"op": "fork"}):
+                if holder.ask_fork() is False:
                     raise WorkerError("WorkerDied", "the state's holder process is gone")
                 try:
                     child = holder.spares.get(timeout=timeout)
@@ -293,7 +335,7 @@ class Pool:
                     raise WorkerError("WorkerStartFailed", "no child process arrived") from None
             else:
                 if self.settings["workers.spare_children"]:
-                    holder.conn.send({"op": "fork"})
+                    holder.ask_fork()
             if child.alive:
                 return child
 
@@ -302,8 +344,9 @@ class Pool:
         with self.lock:
             holder = self.live.pop(state_id, None)
             early = self.early_spares.pop(state_id, [])
+            early_holder = self.early_holders.pop(state_id, None)
             self.dropped.add(state_id)
-        for spare in early:
+        for spare in early + ([early_holder] if early_holder else []):
             spare.kill()
         if holder is not None:
             self._drop(holder)
@@ -311,7 +354,8 @@ class Pool:
     def _drop(self, holder):
         """Kill a holder that left the LRU."""
         with self.lock:
-            self.holders_by_pid.pop(holder.conn.pid, None)
+            if holder.conn is not None:
+                self.holders_by_pid.pop(holder.conn.pid, None)
             self.dropped.add(holder.state_id)
         holder.kill()
 
@@ -325,7 +369,8 @@ class Pool:
                     return
                 over = len(self.live) > max_states
                 if not over:
-                    over = sum(rss(h.conn.pid) for h in self.live.values()) > max_bytes
+                    over = sum(rss(h.conn.pid) for h in self.live.values()
+                               if h.conn is not None) > max_bytes
                 if not over:
                     return
                 _, victim = self.live.popitem(last=False)

@@ -200,7 +200,7 @@ class Kernel:
                 return
             old = self.names.get(manifest["name"])
             self.names[manifest["name"]] = manifest
-        self.pool.adopt(manifest["id"], child)
+        self.pool.adopt(manifest["id"], child, made=True)
         if old is not None and old["id"] != manifest["id"]:
             self.pool.retire(old["id"])
 
@@ -239,7 +239,7 @@ class Kernel:
         try:
             return self.pool.take_child(holder)
         except WorkerError:
-            if holder.conn.alive:
+            if holder.alive():
                 raise
             return self.pool.take_child(self.pool.holder(manifest))
 

@@ -11,6 +11,7 @@ the input state is never touched. Every process talks to the server over
 its own channel.
 """
 
+import contextlib
 import ctypes
 import gc
 import os
@@ -200,6 +201,7 @@ class Holder(Process):
         self.volatile_pending = set(manifest["volatile"])
         self.modules_loaded = False
         self.background = True
+        self.forked_holders = []  # pids of the holders this process forked (fork_holder)
 
     # Loading -------------------------------------------------------------
 
@@ -248,20 +250,18 @@ class Holder(Process):
             os._exit(1)
         except Exception:
             os._exit(1)
-        self.serve({"op": "ready", "state_id": self.manifest["id"]})
+        wake = self.reaper()
+        self.channel.send({"op": "ready", "state_id": self.manifest["id"]})
+        self.serve(wake, self.settings["workers.spare_children"])
 
-    def serve(self, announce):
+    def serve(self, wake, spares):
         """Idle loop: fork children on request, load pending groups meanwhile.
 
-        The spare children are forked right after `announce` goes out (a
-        fork costs milliseconds), so one is ready by the time the client has
-        read the answer and sent its next cell; with two, a cell sent while
-        the next spare is still being forked finds the other one ready.
+        `spares` children are forked first, so that a cell finds one ready;
+        with two, a cell sent while the next spare is still being forked
+        finds the other one ready.
         """
-        wake = self.reaper()
-        self.channel.send(announce)
-        gc.collect()  # the last cell's cyclic garbage, before freeze() would keep it
-        for _ in range(self.settings["workers.spare_children"]):
+        for _ in range(spares):
             self.fork_child()
         while True:
             busy = self.background and (self.pending or self.volatile_pending)
@@ -344,24 +344,32 @@ class Holder(Process):
     # Child: run one cell ---------------------------------------------------
 
     def run(self, msg):
-        """Run the request `msg` in this child, answer, and become a holder or exit."""
-        try:
-            if msg["op"] == "execute":
-                self.execute(msg)
-            elif msg["op"] == "multistate":
-                self.multistate(msg)
-            elif msg["op"] == "rebuild":
-                self.rebuild(msg)
-        except ChannelClosed:
-            pass
-        except Exception as exc:
+        """Run requests in this child: after one that made a state, stay as a spare of
+        that state (its holder forked off) and take the next; otherwise exit."""
+        handlers = {"execute": self.execute, "multistate": self.multistate,
+                    "rebuild": self.rebuild}
+        while True:
+            made = None
             try:
-                self.channel.send({"op": "result", "error": {
-                    "ename": type(exc).__name__, "evalue": str(exc),
-                    "traceback": traceback.format_exc().splitlines()}, "output": []})
+                made = handlers[msg["op"]](msg)
             except ChannelClosed:
                 pass
-        os._exit(0)
+            except Exception as exc:
+                try:
+                    self.channel.send({"op": "result", "error": {
+                        "ename": type(exc).__name__, "evalue": str(exc),
+                        "traceback": traceback.format_exc().splitlines()}, "output": []})
+                except ChannelClosed:
+                    pass
+            if made is None:
+                os._exit(0)
+            self.manifest, answer = made
+            try:
+                self.channel.send(answer)
+                self.fork_holder()
+                msg = self.channel.recv()
+            except (ChannelClosed, OSError):
+                os._exit(0)
 
     def prepare(self, cell, extra_names=()):
         """Analyse the cell's reads and writes, loading what it needs first."""
@@ -435,7 +443,7 @@ class Holder(Process):
             return
         answer.update(state_name=msg["new_name"], manifest=manifest,
                       volatile_symbols=sorted(manifest["volatile"]))
-        self.become_holder(manifest, answer)
+        return manifest, answer
 
     def save(self, msg, count, touched, present):
         """Write the new state: dirty groups re-pickled, the others carried."""
@@ -458,10 +466,34 @@ class Holder(Process):
         snapshot.commit(self.store(), manifest, records)
         return manifest
 
-    def become_holder(self, manifest, answer):
-        """Answer, then serve as the holder of the state just made."""
-        self.manifest = manifest
-        self.serve(answer)
+    def fork_holder(self):
+        """Fork the idle holder of the state this process just made.
+
+        This process, connected and warm, stays as the state's first spare:
+        in a notebook run top to bottom the next cell comes from this state
+        within milliseconds and need not wait for a fork.
+        """
+        # Holders forked earlier and since stopped: reaped by pid (a cell's own
+        # subprocesses are the cell's to wait for).
+        for pid in list(self.forked_holders):
+            with contextlib.suppress(ChildProcessError):
+                if os.waitpid(pid, os.WNOHANG)[0] == 0:
+                    continue
+            self.forked_holders.remove(pid)
+        Store.close_before_fork()
+        gc.collect()  # the last cell's cyclic garbage, before freeze() would keep it
+        gc.freeze()
+        pid = os.fork()
+        if pid:
+            self.forked_holders.append(pid)
+            return
+        _become_worker()
+        self.channel.close()
+        try:
+            self.connect({"role": "holder", "state_id": self.manifest["id"]})
+        except (ChannelClosed, OSError):
+            os._exit(0)
+        self.serve(self.reaper(), max(self.settings["workers.spare_children"] - 1, 0))
 
     def multistate(self, msg):
         """Run a cell with other states' variables under aliases; store nothing."""
@@ -540,7 +572,7 @@ class Holder(Process):
         self.pending = pending
         answer = {"op": "result", "error": None, "state_name": msg["new_name"],
                   "manifest": manifest, "output": []}
-        self.become_holder(manifest, answer)
+        return manifest, answer
 
     def load_modules_now(self):
         """Import the state's module variables if not done yet."""

@@ -855,22 +855,19 @@ def install():
     from kernel import pool, registry, worker
     from storage import snapshot, store
     holder = worker.Holder
-    run, become = holder.run, holder.become_holder
+    execute = holder.execute
 
-    def run_timed(self, msg):
-        \"\"\"A child starts a request: open its record (and profile).\"\"\"
+    def execute_timed(self, msg):
+        \"\"\"One cell in a child, from its request to its answer: a record (and profile).\"\"\"
         global CELL
         CELL = {"t0": time.perf_counter()}
         if os.environ.get("SNAPBENCH_CPROFILE"):
             import cProfile
             CELL["prof"] = cProfile.Profile()
             CELL["prof"].enable()
-        return run(self, msg)
-
-    def become_timed(self, manifest, answer):
-        \"\"\"The child is about to answer: close its record.\"\"\"
-        global CELL
-        if CELL is not None:
+        try:
+            return execute(self, msg)
+        finally:
             rec, CELL = CELL, None
             prof = rec.pop("prof", None)
             if prof is not None:
@@ -878,9 +875,8 @@ def install():
                 prof.dump_stats(os.path.join(OUT, f"cell-{os.getpid()}-{time.time_ns()}.prof"))
             rec["child_total"] = (time.perf_counter() - rec.pop("t0")) * 1e3
             log(rec)
-        return become(self, manifest, answer)
 
-    holder.run, holder.become_holder = run_timed, become_timed
+    holder.execute = execute_timed
     for name in ("prepare", "run_cell", "save"):
         wrap(holder, name, "child_" + name, per_cell=True)
     wrap(holder, "warm", "spare_warm")
