@@ -170,3 +170,23 @@ def test_first_cells_do_not_wait_for_the_warm_up_and_behave_the_same(make_server
             "output"][0]["data"]["text/plain"] != "True":
         assert time.monotonic() < deadline, "the warm zygote never took over"
         time.sleep(0.2)
+
+
+def test_next_cell_runs_in_the_process_that_made_its_state(make_server):
+    """In a notebook run in order, the child that made a state takes the next cell itself
+    (its holder forked off); earlier states stay intact and their dead holders are reaped."""
+    srv = make_server()
+    srv.execute("import os\npids = [os.getpid()]", new="run-a")
+    srv.execute("pids.append(os.getpid())", state="run-a", new="run-b")
+    out = srv.execute("pids.append(os.getpid())\npids", state="run-b", new="run-c")["output"]
+    pids = eval(out[0]["data"]["text/plain"])
+    assert len(set(pids)) == 1
+    runner = psutil.Process(pids[0])
+    # run-a kept its value; its holder (forked off by the runner) answers from a spare of its own.
+    again = srv.execute("pids, os.getpid()", state="run-a")["output"][0]["data"]["text/plain"]
+    assert eval(again)[0] == pids[:1] and eval(again)[1] != pids[0]
+    for name in ("run-a", "run-b"):
+        assert srv.delete(f"/states/{name}").status_code == 200
+    srv.execute("pids.append(os.getpid())", state="run-c", new="run-d")
+    time.sleep(0.5)
+    assert all(c.status() != psutil.STATUS_ZOMBIE for c in runner.children())
