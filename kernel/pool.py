@@ -77,22 +77,32 @@ class Holder:
     on its own (`conn` is None until then).
     """
 
-    def __init__(self, state_id, conn, cold=False):
-        """Track the holder of `state_id` on `conn`; `cold`: forked by the cold zygote."""
+    def __init__(self, state_id, conn, cold=False, connect_within=None):
+        """Track the holder of `state_id` on `conn`; `cold`: forked by the cold zygote.
+
+        conn None: the holder is expected to connect within `connect_within` seconds.
+        """
         self.state_id = state_id
         self.conn = conn
         self.cold = cold
         self.spares = queue.Queue()
+        self.owed_forks = 0  # spares asked for before the holder connected
+        self.deadline = None if conn else time.monotonic() + connect_within
 
     def alive(self):
-        """False once the holder process is gone (True while it is still connecting)."""
-        return self.conn is None or self.conn.alive
+        """False once the holder process is gone, or did not connect in time."""
+        if self.conn is None:
+            return time.monotonic() < self.deadline
+        return self.conn.alive
 
     def ask_fork(self):
-        """Ask the holder for one more spare; False if it is gone (None: not connected yet,
-        and it forks its spares as soon as it is)."""
+        """Ask the holder for one more spare (or once it connects); False if it is gone.
+
+        Called with the pool's lock held (see Pool._attach).
+        """
         if self.conn is None:
-            return None
+            self.owed_forks += 1
+            return True
         return self.conn.send({"op": "fork"})
 
     def kill(self):
@@ -296,7 +306,8 @@ class Pool:
         made=True: `conn` is the child whose cell made the state; it stays
         as the first spare, and the holder it forks is attached when it connects.
         """
-        holder = Holder(state_id, None if made else conn, cold)
+        holder = Holder(state_id, None if made else conn, cold,
+                        self.settings["workers.worker_start_timeout_s"])
         with self.lock:
             old = self.live.pop(state_id, None)
             self.live[state_id] = holder
@@ -319,6 +330,9 @@ class Pool:
         """`conn` is the holder process of `holder`'s state (called with the lock held)."""
         holder.conn = conn
         self.holders_by_pid[conn.pid] = holder
+        for _ in range(holder.owed_forks):
+            conn.send({"op": "fork"})
+        holder.owed_forks = 0
 
     def take_child(self, holder):
         """A child of `holder` ready to run a request (a spare, or a new fork)."""
@@ -327,7 +341,9 @@ class Pool:
             try:
                 child = holder.spares.get_nowait()
             except queue.Empty:
-                if holder.ask_fork() is False:
+                with self.lock:
+                    asked = holder.ask_fork()
+                if not asked:
                     raise WorkerError("WorkerDied", "the state's holder process is gone")
                 try:
                     child = holder.spares.get(timeout=timeout)
@@ -335,7 +351,8 @@ class Pool:
                     raise WorkerError("WorkerStartFailed", "no child process arrived") from None
             else:
                 if self.settings["workers.spare_children"]:
-                    holder.ask_fork()
+                    with self.lock:
+                        holder.ask_fork()
             if child.alive:
                 return child
 
