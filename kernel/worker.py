@@ -257,9 +257,7 @@ class Holder(Process):
     def serve(self, wake, spares):
         """Idle loop: fork children on request, load pending groups meanwhile.
 
-        `spares` children are forked first, so that a cell finds one ready;
-        with two, a cell sent while the next spare is still being forked
-        finds the other one ready.
+        `spares` children are forked first, so that a cell finds one ready.
         """
         for _ in range(spares):
             self.fork_child()
