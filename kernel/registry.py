@@ -10,7 +10,6 @@ death.
 import logging
 import os
 import signal
-import sys
 import threading
 import time
 import uuid
@@ -56,9 +55,6 @@ class Kernel:
     def __init__(self, settings):
         """Open the store, load the manifests, start the worker pool."""
         self.settings = settings
-        # The server's threads mostly wait on sockets; a request thread woken by its
-        # cell's answer should get the GIL within 0.5 ms, not the default 5 ms.
-        sys.setswitchinterval(0.0005)
         self.store = Store.for_process(settings["server.data_dir"],
                                        max_store_gb=settings["store.max_store_gb"],
                                        durability=settings["store.durability"],

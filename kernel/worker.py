@@ -2,13 +2,14 @@
 
 The zygote is spawned by the server; it forks at once a second, warm one
 that imports what cells commonly use, and forks holders itself (cold)
-only until that one is up. A zygote forks one holder per state to restore. A holder is idle; its `__main__` is its
-state's namespace. To run a cell the holder forks a child (one spare is
-kept forked and warmed in advance); the child runs the cell on a
-copy-on-write copy of the namespace, stores what changed, answers, and
-stays on as the holder of the new state. A failed cell's child exits, so
-the input state is never touched. Every process talks to the server over
-its own channel.
+only until that one is up. A zygote forks one holder per state to
+restore. A holder is idle; its `__main__` is its state's namespace. To
+run a cell the holder forks a child (a spare is kept forked and warmed in
+advance); the child runs the cell on a copy-on-write copy of the
+namespace, stores what changed, answers, forks the holder of the new
+state and stays on as its first spare, ready for the next cell. A failed
+cell's child exits, so the input state is never touched. Every process
+talks to the server over its own channel.
 """
 
 import contextlib
@@ -308,6 +309,7 @@ class Holder(Process):
         if os.fork() == 0:
             _become_worker()
             self.channel.close()
+            self.forked_holders = []  # not this process's children
             try:
                 self.connect({"role": "child", "holder_state_id": self.manifest["id"]})
                 self.warm()
@@ -487,6 +489,7 @@ class Holder(Process):
             return
         _become_worker()
         self.channel.close()
+        self.forked_holders = []  # not this process's children
         try:
             self.connect({"role": "holder", "state_id": self.manifest["id"]})
         except (ChannelClosed, OSError):
