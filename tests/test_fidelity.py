@@ -62,10 +62,13 @@ def normalize(outputs):
             # ipykernel buffers stdout and stderr apart and forwards fd-level output
             # from a thread, so between two displays it may reorder lines (we keep the
             # true order, see docs/fidelity.md): compare each stream's lines as a set.
+            # Blank lines are left out: ipykernel's fd watcher now and then forwards a
+            # stray newline of its own before a cell's first line.
             text = normalize_text(_text(out["text"]))
             if not (items and items[-1][0] == "streams"):
                 items.append(("streams", {}))
-            items[-1][1].setdefault(out["name"], []).extend(text.splitlines())
+            items[-1][1].setdefault(out["name"], []).extend(
+                line for line in text.splitlines() if line)
             continue
         data = {}
         for mime, value in out["data"].items():
