@@ -313,7 +313,6 @@ class Holder(Process):
 
     def fork_child(self):
         """Fork a child that waits, warmed, for a cell to run."""
-        Store.close_before_fork()
         # Objects inherited from now on are out of the cyclic GC's reach in the child,
         # so a collection there does not write to (and copy) every page of the state.
         gc.freeze()
@@ -493,7 +492,6 @@ class Holder(Process):
                 if os.waitpid(pid, os.WNOHANG)[0] == 0:
                     continue
             self.forked_holders.remove(pid)
-        Store.close_before_fork()
         gc.collect()  # the last cell's cyclic garbage, before freeze() would keep it
         gc.freeze()
         pid = os.fork()

@@ -34,38 +34,61 @@ def _address(view):
         return None
 
 
-def remember(view, key):
-    """Record that `view` (as stored now) has blob key `key`.
+def _spans(nbytes, chunk):
+    """(offset, size) of each `chunk`-byte piece of a buffer of `nbytes`."""
+    return [(start, min(chunk, nbytes - start)) for start in range(0, nbytes, chunk)]
+
+
+def remember(view, keys, chunk):
+    """Record that the `chunk`-byte pieces of `view` (as stored now) have blob `keys`.
 
     An array is held by a weak reference (a strong one would change what
     `ndarray.resize` allows); a buffer loaded from the store is not the
     user's object and is held strongly, until `keep_only` drops it.
     """
-    if view.nbytes < _PAGE:
-        return
     address = _address(view)
-    if address is None:
+    if address is None or view.nbytes < _PAGE:
         return
     owner = view.obj
     try:
         ref = weakref.ref(owner)
     except TypeError:
         ref = lambda owner=owner: owner  # noqa: E731 - a strong "reference"
-    _known[(address, view.nbytes)] = (key, ref)
+    for (offset, size), key in zip(_spans(view.nbytes, chunk), keys):
+        if size >= _PAGE:
+            _known[(address + offset, size)] = (key, ref)
 
 
-def known_key(view):
-    """The blob key of `view` if its memory is unchanged since the fork, else None."""
+def known_keys(view, chunk):
+    """Per `chunk`-byte piece of `view`: its blob key if its memory is unchanged
+    since the fork, else None. One page-map read serves the whole buffer."""
+    spans = _spans(view.nbytes, chunk)
     address = _address(view)
-    entry = _known.get((address, view.nbytes))
-    if entry is None:
-        return None
-    key, owner = entry
-    alive = owner()
-    if alive is None or not _covers(alive, address, view.nbytes):
-        del _known[(address, view.nbytes)]
-        return None
-    return key if _untouched(address, view.nbytes) else None
+    if address is None:
+        return [None] * len(spans)
+    found = [_known.get((address + offset, size)) for offset, size in spans]
+    if not any(found):
+        return [None] * len(spans)
+    changed = _changed_pages(address, view.nbytes)
+    if changed is None:
+        return [None] * len(spans)
+    first_page = address // _PAGE
+    keys, covered = [], {}
+    for (offset, size), entry in zip(spans, found):
+        key = None
+        if entry is not None:
+            owner = entry[1]()
+            if owner is not None and id(owner) not in covered:
+                covered[id(owner)] = _covers(owner, address, view.nbytes)
+            if owner is None or not covered[id(owner)]:
+                del _known[(address + offset, size)]
+            else:
+                first = (address + offset) // _PAGE - first_page
+                last = (address + offset + size - 1) // _PAGE - first_page
+                before = changed[first - 1] if first else 0
+                key = entry[0] if changed[last] == before else None
+        keys.append(key)
+    return keys
 
 
 def keep_only(keys):
@@ -98,18 +121,19 @@ def _pagemap():
     return _pagemap_fd[1]
 
 
-def _untouched(address, size):
-    """True if every page of [address, address+size) is present and still shared."""
+def _changed_pages(address, size):
+    """Running count of the pages of [address, address+size) that are absent or no
+    longer shared with the parent (a numpy array, one entry per page), or None
+    if the page map cannot be read."""
     first, last = address // _PAGE, (address + size - 1) // _PAGE
     count = last - first + 1
     try:
         raw = os.pread(_pagemap(), count * 8, first * 8)
     except OSError:
-        return False
+        return None
     if len(raw) != count * 8:
-        return False
+        return None
     import numpy
     entries = numpy.frombuffer(raw, dtype=numpy.uint64)
-    present = (entries & numpy.uint64(_PRESENT)) != 0
-    exclusive = (entries & numpy.uint64(_EXCLUSIVE)) != 0
-    return bool(present.all() and not exclusive.any())
+    bad = ((entries & numpy.uint64(_PRESENT)) == 0) | ((entries & numpy.uint64(_EXCLUSIVE)) != 0)
+    return numpy.cumsum(bad)

@@ -65,14 +65,13 @@ def _chunks(pickled, chunk):
     """
     pieces, layout = [], []
     for view in pickled.buffers:
-        count = 0
-        for start in range(0, view.nbytes, chunk):
+        keys = []
+        for start, known in zip(range(0, view.nbytes, chunk), pages.known_keys(view, chunk)):
             piece = view[start:start + chunk]
-            key = pages.known_key(piece) or _sha(piece)
-            pages.remember(piece, key)
-            pieces.append((piece, key))
-            count += 1
-        layout.append(count)
+            keys.append(known or _sha(piece))
+            pieces.append((piece, keys[-1]))
+        pages.remember(view, keys, chunk)
+        layout.append(len(keys))
     return pieces, layout
 
 
@@ -244,10 +243,8 @@ def _assemble(store, keys):
         for part in parts:
             buffer[offset:offset + len(part)] = part
             offset += len(part)
-    view, offset = memoryview(buffer), 0
-    for part, key in zip(parts, keys):
-        pages.remember(view[offset:offset + len(part)], key)
-        offset += len(part)
+    if parts:  # every chunk but the last has the chunk size of the state's save
+        pages.remember(memoryview(buffer), keys, len(parts[0]))
     return buffer
 
 

@@ -248,6 +248,11 @@ def test_in_place_writes_are_never_missed(make_server, tmp_path):
     srv.execute("arr[-1] = 7.0", state="w1", new="w2")
     assert hashes("w2")["arr"] != start["arr"]
     assert hashes("w2")["other"] == start["other"]
+    # A byte in the middle of a 16 MB buffer: its 1 MB chunk is stored again, not the rest.
+    grown = store_bytes(data)
+    srv.execute("arr[1_000_000] = 3.0", state="w2", new="w2b")
+    assert hashes("w2b")["arr"] != hashes("w2")["arr"]
+    assert store_bytes(data) - grown < 3 * 2 ** 20
     srv.stop()
     again = make_server(data)
     # Restored buffers come from the store; the same holds for them.
@@ -261,6 +266,8 @@ def test_in_place_writes_are_never_missed(make_server, tmp_path):
     third = make_server(data)
     assert third.value("w4", "float(arr[-1]), float(other[0]), float(other[1])") \
         == "(7.0, -1.0, 1.0)"
+    assert third.value("w2b", "float(arr[1_000_000]), float(arr[-1]), float(arr.sum())") \
+        == "(3.0, 7.0, 10.0)"
 
 
 def test_dill_fallback_and_async_durability(make_server, tmp_path):
@@ -272,3 +279,53 @@ def test_dill_fallback_and_async_durability(make_server, tmp_path):
     srv.stop()
     again = make_server(data)
     assert again.value("d1", "type(lock).__name__, lock.acquire(), n") == "('lock', True, 3)"
+
+
+FORKED_WRITERS = r"""
+import hashlib, os, sys
+from storage.store import Store
+from storage.snapshot import new_manifest
+
+path = sys.argv[1]
+
+def write(tag, count):
+    store = Store.for_process(path)
+    for i in range(count):
+        data = f"{tag}-{i}".encode() * 100
+        key = hashlib.sha256(data).hexdigest()
+        store.put_state(f"{tag}-{i}", new_manifest(f"{tag}-{i}"), {key: store.encode(data)})
+        # A read of what was just written, through this process's handle.
+        assert bytes(store.blob(key)) == data
+
+write("parent", 5)  # the parent's handle is open when it forks, and stays open
+children = []
+for c in range(4):
+    pid = os.fork()
+    if pid == 0:
+        write(f"child{c}", 30)
+        grandchild = os.fork()
+        if grandchild == 0:
+            write(f"grandchild{c}", 10)
+            os._exit(0)
+        _, status = os.waitpid(grandchild, 0)
+        write(f"child{c}-after", 5)
+        os._exit(os.waitstatus_to_exitcode(status))
+    children.append(pid)
+write("parent-during", 30)
+codes = [os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) for pid in children]
+names = set(Store.for_process(path).manifests())
+print(codes, len(names))
+"""
+
+
+def test_forked_processes_write_through_handles_of_their_own(tmp_path):
+    """A forked process drops the store handle it inherited and opens its own; the
+    parent keeps using its handle through the fork, and nothing written is lost."""
+    script = tmp_path / "writers.py"
+    script.write_text(FORKED_WRITERS)
+    run = subprocess.run([sys.executable, str(script), str(tmp_path / "store")], cwd=ROOT,
+                         env=dict(os.environ, PYTHONPATH=ROOT), capture_output=True,
+                         text=True, timeout=120)
+    assert run.returncode == 0, run.stderr
+    # 5 + 30 in the parent; per child 30 + 10 (its child) + 5.
+    assert run.stdout.split() == ["[0,", "0,", "0,", "0]", str(5 + 30 + 4 * 45)]
