@@ -27,6 +27,9 @@ from kernel.config import ROOT
 
 log = logging.getLogger("snapshot_kernel")
 
+# Deferred spares (see Pool._replace) are forked once no request has run for this long.
+QUIET_S = 0.05
+
 
 class WorkerError(Exception):
     """A worker could not be started or reached; `ename` says which kind."""
@@ -87,6 +90,7 @@ class Holder:
         self.cold = cold
         self.spares = queue.Queue()
         self.owed_forks = 0  # spares asked for before the holder connected
+        self.maker = None  # the child whose cell made the state, while it is a spare
         self.deadline = None if conn else time.monotonic() + connect_within
 
     def alive(self):
@@ -142,6 +146,10 @@ class Pool:
         self.zygote_ready = threading.Condition(self.lock)
         self.req_ids = itertools.count(1)
         self.closed = False
+        self.cells = 0  # children taken whose requests are not finished
+        self.deferred = []  # holders owed a spare at the next quiet moment
+        self.quiet_from = 0.0  # when the last request ended
+        self.quiet_timer = None
 
     def start(self):
         """Start accepting workers and spawn the zygote."""
@@ -313,6 +321,7 @@ class Pool:
             self.live[state_id] = holder
             self.dropped.discard(state_id)
             if made:
+                holder.maker = conn
                 holder.spares.put(conn)
                 early = self.early_holders.pop(state_id, None)
                 if early is not None:
@@ -335,7 +344,10 @@ class Pool:
         holder.owed_forks = 0
 
     def take_child(self, holder):
-        """A child of `holder` ready to run a request (a spare, or a new fork)."""
+        """A child of `holder` ready to run a request (a spare, or a new fork).
+
+        Pair every successful call with `cell_done` once the request is over.
+        """
         timeout = self.settings["workers.worker_start_timeout_s"]
         while True:
             try:
@@ -350,11 +362,59 @@ class Pool:
                 except queue.Empty:
                     raise WorkerError("WorkerStartFailed", "no child process arrived") from None
             else:
-                if self.settings["workers.spare_children"]:
-                    with self.lock:
-                        holder.ask_fork()
+                self._replace(holder, child)
             if child.alive:
+                with self.lock:
+                    self.cells += 1
                 return child
+
+    def _replace(self, holder, taken):
+        """Ask for a spare in place of `taken`: now, or at the next quiet moment if
+        `taken` made the state.
+
+        A notebook run top to bottom takes the child that made each state for
+        the next cell and does not come back; forking a replacement then would
+        compete for the cores with that cell. A later run from the state (a
+        cell edited and run again) still finds a spare ready.
+        """
+        if not self.settings["workers.spare_children"]:
+            return
+        with self.lock:
+            if taken is holder.maker:
+                holder.maker = None
+                self.deferred.append(holder)
+            else:
+                holder.ask_fork()
+
+    def cell_done(self):
+        """A request that `take_child` served is over; once none has run for QUIET_S,
+        the deferred spares are asked for."""
+        with self.lock:
+            self.cells -= 1
+            self.quiet_from = time.monotonic()
+            if not self.cells and self.deferred and self.quiet_timer is None:
+                self._ask_deferred_in(QUIET_S)
+
+    def _ask_deferred_in(self, seconds):
+        """Start the timer of `_ask_deferred` (called with the lock held)."""
+        self.quiet_timer = threading.Timer(seconds, self._ask_deferred)
+        self.quiet_timer.daemon = True
+        self.quiet_timer.start()
+
+    def _ask_deferred(self):
+        """Timer: ask for the deferred spares if no request ran for QUIET_S."""
+        with self.lock:
+            self.quiet_timer = None
+            if self.cells:
+                return  # the next cell_done starts the timer again
+            left = self.quiet_from + QUIET_S - time.monotonic()
+            if left > 0:
+                self._ask_deferred_in(left)
+                return
+            holders, self.deferred = self.deferred, []
+            for holder in holders:
+                if holder.alive() and self.live.get(holder.state_id) is holder:
+                    holder.ask_fork()
 
     def retire(self, state_id):
         """Stop the holder of a state no name points to any more (or never adopted)."""

@@ -231,6 +231,8 @@ class Kernel:
             with self.lock:
                 if key is not None:
                     self.running.pop(key, None)
+            if run.child is not None:
+                self.pool.cell_done()
 
     def _take_child(self, manifest):
         """A child of the state's live holder, restoring the state once more if that

@@ -190,3 +190,22 @@ def test_next_cell_runs_in_the_process_that_made_its_state(make_server):
     srv.execute("pids.append(os.getpid())", state="run-c", new="run-d")
     time.sleep(0.5)
     assert all(c.status() != psutil.STATUS_ZOMBIE for c in runner.children())
+
+
+def test_state_left_behind_by_a_run_in_order_gets_a_spare_once_quiet(make_server):
+    """The child that made a state is taken by the next cell without a replacement being
+    forked at once (it would compete with that cell); once no cell runs, the state's
+    holder forks a spare, and a later cell from the state runs in it."""
+    srv = make_server()
+    srv.execute("import os\nx = 1", new="left")
+    out = srv.execute("me = os.getpid()\nopen(f'/proc/{me}/task/{me}/children').read()",
+                      state="left", new="next")["output"][0]["data"]["text/plain"]
+    holder = psutil.Process(int(eval(out).split()[0]))  # forked by the runner, before this cell
+    deadline = time.monotonic() + 10
+    while not holder.children() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    spares = {c.pid for c in holder.children()}
+    assert spares
+    ran_in = srv.execute("x, os.getpid(), os.getppid()", state="left")["output"][0]
+    x, pid, parent = eval(ran_in["data"]["text/plain"])
+    assert x == 1 and pid in spares and parent == holder.pid
