@@ -52,6 +52,8 @@ def load(path=None, overrides=None):
             flat[key] = value
     if flat["store.durability"] not in ("sync", "async"):
         raise ConfigError("store.durability must be 'sync' or 'async'")
+    if flat["workers.spare_after_quiet_s"] < 0:
+        raise ConfigError("workers.spare_after_quiet_s must be 0 or more")
     if flat["display.figure_format"] not in ("png", "svg", "retina"):
         raise ConfigError("display.figure_format must be 'png', 'svg' or 'retina'")
     data_dir = flat["server.data_dir"]

@@ -27,9 +27,6 @@ from kernel.config import ROOT
 
 log = logging.getLogger("snapshot_kernel")
 
-# Deferred spares (see Pool._replace) are forked once no request has run for this long.
-QUIET_S = 0.05
-
 
 class WorkerError(Exception):
     """A worker could not be started or reached; `ename` says which kind."""
@@ -355,6 +352,10 @@ class Pool:
             except queue.Empty:
                 with self.lock:
                     asked = holder.ask_fork()
+                    if asked and holder in self.deferred:
+                        # The state is run from again: its deferred spare is due now.
+                        self.deferred.remove(holder)
+                        holder.ask_fork()
                 if not asked:
                     raise WorkerError("WorkerDied", "the state's holder process is gone")
                 try:
@@ -375,7 +376,8 @@ class Pool:
         A notebook run top to bottom takes the child that made each state for
         the next cell and does not come back; forking a replacement then would
         compete for the cores with that cell. A later run from the state (a
-        cell edited and run again) still finds a spare ready.
+        cell edited and run again) finds a spare ready; one that comes before
+        that waits for a fork, and asks for the deferred spare at once.
         """
         if not self.settings["workers.spare_children"]:
             return
@@ -387,13 +389,13 @@ class Pool:
                 holder.ask_fork()
 
     def cell_done(self):
-        """A request that `take_child` served is over; once none has run for QUIET_S,
-        the deferred spares are asked for."""
+        """A request that `take_child` served is over; once none has run for
+        workers.spare_after_quiet_s, the deferred spares are asked for."""
         with self.lock:
             self.cells -= 1
             self.quiet_from = time.monotonic()
             if not self.cells and self.deferred and self.quiet_timer is None:
-                self._ask_deferred_in(QUIET_S)
+                self._ask_deferred_in(self.settings["workers.spare_after_quiet_s"])
 
     def _ask_deferred_in(self, seconds):
         """Start the timer of `_ask_deferred` (called with the lock held)."""
@@ -402,12 +404,13 @@ class Pool:
         self.quiet_timer.start()
 
     def _ask_deferred(self):
-        """Timer: ask for the deferred spares if no request ran for QUIET_S."""
+        """Timer: ask for the deferred spares if no request ran for a quiet period."""
         with self.lock:
             self.quiet_timer = None
             if self.cells:
                 return  # the next cell_done starts the timer again
-            left = self.quiet_from + QUIET_S - time.monotonic()
+            quiet = self.settings["workers.spare_after_quiet_s"]
+            left = self.quiet_from + quiet - time.monotonic()
             if left > 0:
                 self._ask_deferred_in(left)
                 return

@@ -62,6 +62,11 @@ def test_bad_bind_and_config_are_clear_errors(tmp_path):
     _, err = proc.communicate(timeout=30)
     assert proc.returncode != 0 and "max_live_states" in err.decode()
     assert "Traceback" not in err.decode()
+    bad.write_text("[workers]\nspare_after_quiet_s = -1\n")
+    proc = start(["main.py", "--token", "t", "--config", str(bad)])
+    _, err = proc.communicate(timeout=30)
+    assert proc.returncode != 0 and "spare_after_quiet_s must be 0 or more" in err.decode()
+    assert "Traceback" not in err.decode()
 
 
 def test_token_from_environment_and_quiet_output(tmp_path):

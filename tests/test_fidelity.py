@@ -194,8 +194,12 @@ def test_there_are_enough_notebooks():
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: os.path.basename(p)[:-6])
 def test_notebook_matches_jupyter(path, jupyter_runs, server):
     """Cell by cell, the server shows what Jupyter shows."""
-    cells = jupyter_runs[path]
-    diffs = compare_notebook(cells, run_on_server(server))
+    diffs = compare_notebook(jupyter_runs[path], run_on_server(server))
+    if diffs:
+        # ipykernel forwards fd-level output from a thread: with three kernels at once
+        # on a loaded machine, a line now and then lands in Jupyter's next cell. Ours
+        # must then match a run of the notebook in Jupyter alone.
+        diffs = compare_notebook(run_in_jupyter([path])[path], run_on_server(server))
     assert not diffs, "\n\n".join(diffs)
 
 

@@ -192,20 +192,52 @@ def test_next_cell_runs_in_the_process_that_made_its_state(make_server):
     assert all(c.status() != psutil.STATUS_ZOMBIE for c in runner.children())
 
 
+def _leave_state_behind(srv, name):
+    """Make state `name`, then run the next cell from it (taking the child that made
+    it); the pid of `name`'s idle holder, which that child had forked."""
+    srv.execute("import os\nx = 1", new=name)
+    out = srv.execute("me = os.getpid()\nopen(f'/proc/{me}/task/{me}/children').read()",
+                      state=name, new=f"{name}-next")["output"][0]["data"]["text/plain"]
+    return psutil.Process(int(eval(out).split()[0]))
+
+
+def _children_within(process, seconds, other_than=()):
+    """Pids of `process`'s children but `other_than`, waiting up to `seconds` for one."""
+    deadline = time.monotonic() + seconds
+    while True:
+        found = {c.pid for c in process.children()} - set(other_than)
+        if found or time.monotonic() > deadline:
+            return found
+        time.sleep(0.05)
+
+
+def _run_in(srv, name):
+    """(pid, parent pid) of the process that ran a cell from state `name`."""
+    out = srv.execute("assert x == 1\nos.getpid(), os.getppid()", state=name)["output"]
+    return eval(out[0]["data"]["text/plain"])
+
+
 def test_state_left_behind_by_a_run_in_order_gets_a_spare_once_quiet(make_server):
     """The child that made a state is taken by the next cell without a replacement being
-    forked at once (it would compete with that cell); once no cell runs, the state's
-    holder forks a spare, and a later cell from the state runs in it."""
-    srv = make_server()
-    srv.execute("import os\nx = 1", new="left")
-    out = srv.execute("me = os.getpid()\nopen(f'/proc/{me}/task/{me}/children').read()",
-                      state="left", new="next")["output"][0]["data"]["text/plain"]
-    holder = psutil.Process(int(eval(out).split()[0]))  # forked by the runner, before this cell
-    deadline = time.monotonic() + 10
-    while not holder.children() and time.monotonic() < deadline:
-        time.sleep(0.05)
-    spares = {c.pid for c in holder.children()}
+    forked at once (it would compete with that cell); once no cell has run for
+    spare_after_quiet_s, the state's holder forks a spare, and a later cell runs in it."""
+    srv = make_server(config="[workers]\nspare_after_quiet_s = 0.3\n")
+    holder = _leave_state_behind(srv, "left")
+    spares = _children_within(holder, 10)
     assert spares
-    ran_in = srv.execute("x, os.getpid(), os.getppid()", state="left")["output"][0]
-    x, pid, parent = eval(ran_in["data"]["text/plain"])
-    assert x == 1 and pid in spares and parent == holder.pid
+    pid, parent = _run_in(srv, "left")
+    assert pid in spares and parent == holder.pid
+
+
+def test_state_run_again_before_the_quiet_moment_gets_its_spare_at_once(make_server):
+    """A state run from again before the quiet moment forks a child for that cell and
+    asks for its deferred spare at once, so the cell after finds one ready."""
+    srv = make_server(config="[workers]\nspare_after_quiet_s = 600\n")
+    holder = _leave_state_behind(srv, "again")
+    time.sleep(0.5)
+    assert not holder.children()  # deferred: the quiet moment is 10 minutes away
+    first, _ = _run_in(srv, "again")
+    spares = _children_within(holder, 10, other_than={first})
+    assert spares
+    pid, parent = _run_in(srv, "again")
+    assert pid in spares and parent == holder.pid
