@@ -15,6 +15,7 @@ import uuid
 
 from storage import pages, serializer
 from storage.groups import alias_groups
+from storage.store import StoreError
 
 PYTHON = f"{sys.implementation.name}-{sys.version_info[0]}.{sys.version_info[1]}"
 
@@ -233,18 +234,27 @@ def load_group(store, group, namespace):
 
 
 def _assemble(store, keys):
-    """One writable buffer from its chunks; each chunk's key is remembered."""
-    parts = [store.blob(k) for k in keys]
-    if len(parts) == 1:
-        buffer = parts[0]
-    else:
-        buffer = bytearray(sum(len(p) for p in parts))
-        offset = 0
-        for part in parts:
-            buffer[offset:offset + len(part)] = part
-            offset += len(part)
-    if parts:  # every chunk but the last has the chunk size of the state's save
-        pages.remember(memoryview(buffer), keys, len(parts[0]))
+    """One writable buffer from its chunks, each chunk's key remembered.
+
+    Chunks are copied in one at a time (the state's save made every chunk
+    but the last the same size), so a restore needs the buffer's memory
+    once, not twice.
+    """
+    if len(keys) <= 1:
+        buffer = store.blob(keys[0]) if keys else bytearray()
+        pages.remember(memoryview(buffer), keys, max(len(buffer), 1))
+        return buffer
+    first, last = store.blob(keys[0]), store.blob(keys[-1])
+    chunk = len(first)
+    buffer = pages.allocate(chunk * (len(keys) - 1) + len(last))
+    view = memoryview(buffer)
+    for i, key in enumerate(keys):
+        part = first if i == 0 else last if i == len(keys) - 1 else store.blob(key)
+        if len(part) != (chunk if i < len(keys) - 1 else len(last)):
+            raise StoreError(f"chunk {key} of a buffer has {len(part)} bytes, not {chunk}; "
+                             f"run scripts/check_store.py")
+        view[i * chunk:i * chunk + len(part)] = part
+    pages.remember(view, keys, chunk)
     return buffer
 
 

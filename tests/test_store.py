@@ -329,3 +329,39 @@ def test_forked_processes_write_through_handles_of_their_own(tmp_path):
     assert run.returncode == 0, run.stderr
     # 5 + 30 in the parent; per child 30 + 10 (its child) + 5.
     assert run.stdout.split() == ["[0,", "0,", "0,", "0]", str(5 + 30 + 4 * 45)]
+
+
+HUGE_PAGE_ELIGIBLE = """
+import os
+def _thp_eligible(array):
+    start = array.__array_interface__['data'][0]
+    eligible = None
+    for line in open('/proc/self/smaps'):
+        head = line.split()
+        if '-' in head[0] and ':' not in head[0]:
+            low, high = (int(x, 16) for x in head[0].split('-'))
+            inside = low <= start < high
+        elif inside and head[0] == 'THPeligible:':
+            eligible = head[1] == '1'
+    return eligible
+"""
+
+
+def test_restored_buffers_are_private_and_in_huge_pages(make_server, tmp_path):
+    """A large buffer restored from the store is memory of the holder's own, in huge
+    pages (cheap forks): a cell writing to it changes its own state only."""
+    data = tmp_path / "store"
+    srv = make_server(data)
+    srv.execute("import numpy as np\nbig = np.arange(2_000_000, dtype=np.float64)\n"
+                "part = big[10:20]", new="big")
+    srv.stop()
+    again = make_server(data)
+    again.execute(HUGE_PAGE_ELIGIBLE, state="big", new="probe")
+    with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
+        thp = "[never]" not in f.read()
+    if thp:
+        assert again.value("probe", "_thp_eligible(big)") == "True"
+    again.execute("big[:] = -1.0\nassert part[0] == -1.0", state="probe", new="written")
+    assert again.value("probe", "float(big.sum()), float(part[0]), part.base is big") \
+        == "(1999999000000.0, 10.0, True)"
+    assert again.value("written", "float(big.sum())") == "-2000000.0"
