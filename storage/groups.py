@@ -68,6 +68,8 @@ def alias_groups(values, namespace):
 
     Every name is in exactly one group; groups are ordered by first member.
     """
+    if len(values) < 2:
+        return [[name] for name in values]  # nothing to share with: skip the walk
     owner = {}
     parent = {name: name for name in values}
 
