@@ -71,7 +71,7 @@ class Store:
     def for_process(cls, path, **options):
         """The store handle of the calling process, opened on first use.
 
-        An LMDB handle must not be used across a fork, and LMDB refuses a
+        An LMDB handle must not be used across a fork, and py-lmdb refuses a
         second open of an environment in one process. So a forked process
         first closes the handles it inherited, then opens its own. Closing
         there is safe: LMDB clears only reader slots of the closing pid and
