@@ -289,12 +289,12 @@ from storage.snapshot import new_manifest
 path = sys.argv[1]
 
 def write(tag, count):
+    """Store `count` states named after `tag`, each read back through this process's handle."""
     store = Store.for_process(path)
     for i in range(count):
         data = f"{tag}-{i}".encode() * 100
         key = hashlib.sha256(data).hexdigest()
         store.put_state(f"{tag}-{i}", new_manifest(f"{tag}-{i}"), {key: store.encode(data)})
-        # A read of what was just written, through this process's handle.
         assert bytes(store.blob(key)) == data
 
 write("parent", 5)  # the parent's handle is open when it forks, and stays open
@@ -334,6 +334,7 @@ def test_forked_processes_write_through_handles_of_their_own(tmp_path):
 HUGE_PAGE_ELIGIBLE = """
 import os
 def _thp_eligible(array):
+    """Whether the mapping holding `array`'s data may use transparent huge pages."""
     start = array.__array_interface__['data'][0]
     eligible = None
     for line in open('/proc/self/smaps'):
