@@ -289,7 +289,7 @@ from storage.snapshot import new_manifest
 path = sys.argv[1]
 
 def write(tag, count):
-    """Store `count` states named after `tag`, each read back through this process's handle."""
+    '''Store `count` states named after `tag`, each read back through this process's handle.'''
     store = Store.for_process(path)
     for i in range(count):
         data = f"{tag}-{i}".encode() * 100
@@ -334,7 +334,7 @@ def test_forked_processes_write_through_handles_of_their_own(tmp_path):
 HUGE_PAGE_ELIGIBLE = """
 import os
 def _thp_eligible(array):
-    """Whether the mapping holding `array`'s data may use transparent huge pages."""
+    '''Whether the mapping holding `array`'s data may use transparent huge pages.'''
     start = array.__array_interface__['data'][0]
     eligible = None
     for line in open('/proc/self/smaps'):
