@@ -13,6 +13,7 @@ import json
 import logging
 import os
 import queue
+import re
 import shutil
 import signal
 import socket
@@ -123,7 +124,8 @@ class Pool:
     def __init__(self, settings):
         """Prepare the socket and bookkeeping; `start` launches the zygote."""
         self.settings = settings
-        self.dir = tempfile.mkdtemp(prefix="snapk-")
+        _remove_stale_socket_dirs()
+        self.dir = tempfile.mkdtemp(prefix=f"snapk-{os.getpid()}-")
         self.sock_path = os.path.join(self.dir, "w.sock")
         self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self.listener.bind(self.sock_path)
@@ -503,6 +505,25 @@ class Pool:
             self.listener.close()
         finally:
             shutil.rmtree(self.dir, ignore_errors=True)
+
+
+def _remove_stale_socket_dirs():
+    """Remove the socket folders of this user's servers that died without removing
+    them (SIGKILL, the OOM killer); a live server's folder names its pid."""
+    base = tempfile.gettempdir()
+    for name in os.listdir(base):
+        match = re.fullmatch(r"snapk-(\d+)-\w+", name)
+        if match is None:
+            continue
+        path = os.path.join(base, name)
+        try:
+            if os.stat(path).st_uid != os.getuid():
+                continue
+            os.kill(int(match.group(1)), 0)
+        except ProcessLookupError:
+            shutil.rmtree(path, ignore_errors=True)
+        except OSError:
+            continue  # alive under another user, or gone meanwhile
 
 
 def rss(pid):

@@ -1,6 +1,9 @@
 """Process model: interrupts, crashing cells, parallel runs, eviction, shutdown."""
 
+import glob
+import os
 import signal
+import tempfile
 import threading
 import time
 
@@ -241,3 +244,23 @@ def test_state_run_again_before_the_quiet_moment_gets_its_spare_at_once(make_ser
     assert spares
     pid, parent = _run_in(srv, "again")
     assert pid in spares and parent == holder.pid
+
+
+def _socket_dirs(pid):
+    """The worker-socket folders of the server with process id `pid`."""
+    return glob.glob(os.path.join(tempfile.gettempdir(), f"snapk-{pid}-*"))
+
+
+def test_socket_folder_of_a_killed_server_is_removed_by_the_next(make_server, tmp_path):
+    """A server killed with SIGKILL cannot remove its socket folder; the next server
+    started by the same user does, and a server stopped normally removes its own."""
+    killed = make_server(tmp_path / "a")
+    (left,) = _socket_dirs(killed.proc.pid)
+    killed.proc.send_signal(signal.SIGKILL)
+    killed.proc.wait()
+    assert os.path.isdir(left)
+    other = make_server(tmp_path / "b")
+    assert not os.path.exists(left)
+    (own,) = _socket_dirs(other.proc.pid)
+    other.stop()
+    assert not os.path.exists(own)
