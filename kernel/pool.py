@@ -146,7 +146,7 @@ class Pool:
         self.req_ids = itertools.count(1)
         self.closed = False
         self.cells = 0  # children taken whose requests are not finished
-        self.deferred = []  # holders owed a spare at the next quiet moment
+        self.deferred = set()  # holders owed a spare at the next quiet moment
         self.quiet_from = 0.0  # when the last request ended
         self.quiet_timer = None
 
@@ -356,7 +356,7 @@ class Pool:
                     asked = holder.ask_fork()
                     if asked and holder in self.deferred:
                         # The state is run from again: its deferred spare is due now.
-                        self.deferred.remove(holder)
+                        self.deferred.discard(holder)
                         holder.ask_fork()
                 if not asked:
                     raise WorkerError("WorkerDied", "the state's holder process is gone")
@@ -386,7 +386,7 @@ class Pool:
         with self.lock:
             if taken is holder.maker:
                 holder.maker = None
-                self.deferred.append(holder)
+                self.deferred.add(holder)
             else:
                 holder.ask_fork()
 
@@ -416,7 +416,7 @@ class Pool:
             if left > 0:
                 self._ask_deferred_in(left)
                 return
-            holders, self.deferred = self.deferred, []
+            holders, self.deferred = self.deferred, set()
             for holder in holders:
                 if holder.alive() and self.live.get(holder.state_id) is holder:
                     holder.ask_fork()

@@ -248,12 +248,14 @@ def _assemble(store, keys):
     chunk = len(first)
     buffer = pages.allocate(chunk * (len(keys) - 1) + len(last))
     view = memoryview(buffer)
-    for i, key in enumerate(keys):
-        part = first if i == 0 else last if i == len(keys) - 1 else store.blob(key)
-        if len(part) != (chunk if i < len(keys) - 1 else len(last)):
+    view[:chunk] = first
+    for i, key in enumerate(keys[1:-1], 1):
+        part = store.blob(key)
+        if len(part) != chunk:
             raise StoreError(f"chunk {key} of a buffer has {len(part)} bytes, not {chunk}; "
                              f"run scripts/check_store.py")
-        view[i * chunk:i * chunk + len(part)] = part
+        view[i * chunk:(i + 1) * chunk] = part
+    view[len(view) - len(last):] = last
     pages.remember(view, keys, chunk)
     return buffer
 
