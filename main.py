@@ -25,8 +25,8 @@ import urllib.parse
 import bottle
 
 from kernel import config as config_mod
-from kernel import openapi
-from kernel.registry import Kernel, KernelError
+from api import openapi
+from kernel.server.registry import Kernel, KernelError
 from storage.store import StoreError
 
 app = bottle.Bottle()

@@ -852,7 +852,8 @@ CELL = None
 def install():
     \"\"\"Wrap the methods on the hot path.\"\"\"
     global CELL
-    from kernel import pool, registry, worker
+    from kernel.server import pool, registry
+    from kernel.worker import holder as worker
     from storage import snapshot, store
     holder = worker.Holder
     execute = holder.execute

@@ -26,8 +26,8 @@ def _child(conn, cells, settings, setup):
         gc.collect()
         main = types.ModuleType("__main__")
         sys.modules["__main__"] = main
-        from kernel import cell as kcell
-        from kernel import outputs as kout
+        from kernel.worker import runner as kcell
+        from kernel.worker import outputs as kout
         if setup:
             setup(kout)
         kout.watch_imports()  # as the worker's zygote does

@@ -12,7 +12,7 @@ os.environ.setdefault("MPLBACKEND", "Agg")
 import IPython.core.interactiveshell  # noqa: E402,F401
 
 from cellrun import outputs_of, run_cells, texts  # noqa: E402
-from kernel import cell as kcell  # noqa: E402
+from kernel.worker import runner as kcell  # noqa: E402
 
 
 def no_ipython(kout):

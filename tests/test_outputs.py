@@ -16,7 +16,7 @@ import pandas  # noqa: E402,F401
 import nbformat  # noqa: E402
 import pytest  # noqa: E402
 
-import kernel.outputs  # noqa: E402,F401
+import kernel.worker.outputs  # noqa: E402,F401
 from cellrun import outputs_of, run_cells, texts  # noqa: E402
 
 

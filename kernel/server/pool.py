@@ -161,7 +161,7 @@ class Pool:
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [ROOT, env.get("PYTHONPATH")]))
         logfile = self.settings.get("server.log_file") or os.devnull
         out = open(logfile, "ab")
-        code = ("import json, sys\nfrom kernel.worker import zygote_main\n"
+        code = ("import json, sys\nfrom kernel.worker.holder import zygote_main\n"
                 "zygote_main(sys.argv[1], json.loads(sys.argv[2]))")
         self.zygote_proc = subprocess.Popen(
             [sys.executable, "-c", code, self.sock_path, json.dumps(self.settings)],

@@ -23,7 +23,7 @@ import time
 import traceback
 import types
 
-from kernel import limits, symbols
+from kernel.worker import limits, reads as symbols
 from kernel.channel import Channel, ChannelClosed
 from storage import snapshot
 from storage.store import Store, StoreError, StoreFull
@@ -145,7 +145,7 @@ def zygote_main(sock_path, settings):
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     os.environ["MPLBACKEND"] = "Agg"
     limits.init_zygote()
-    from kernel import cell  # every holder runs cells: imported once, here
+    from kernel.worker import runner as cell  # every holder runs cells: imported once, here
     cell.outputs.watch_imports()
     warm = os.fork() == 0
     if warm:
@@ -178,14 +178,14 @@ def zygote_main(sock_path, settings):
 
 def _warm(settings):
     """Import what cells commonly use and run a throwaway cell, once, before any fork."""
-    for name in ("kernel.cell", "numpy", "pandas", "matplotlib", "matplotlib.pyplot", "dill",
+    for name in ("kernel.worker.runner", "numpy", "pandas", "matplotlib", "matplotlib.pyplot", "dill",
                  "IPython"):
         try:
             __import__(name)
         except Exception:
             pass
-    from kernel import outputs
-    from kernel.cell import compile_cell, run_cell
+    from kernel.worker import outputs
+    from kernel.worker.runner import compile_cell, run_cell
     outputs.warm()
     run_cell(compile_cell("_w = [1]\n_w", 0), {"__builtins__": __builtins__}, 0, settings)
 
@@ -337,7 +337,7 @@ class Holder(Process):
         for the warm-up, and while cells keep every core busy the warm-up
         would slow them down more than it saves (about 1 ms a cell).
         """
-        from kernel.cell import compile_cell, run_cell
+        from kernel.worker.runner import compile_cell, run_cell
         from storage import serializer
         self.store()
         scratch = {"__builtins__": self.namespace["__builtins__"]}
@@ -401,7 +401,7 @@ class Holder(Process):
 
     def run_cell(self, cell, count):
         """Run a compiled cell under the cell limits, SIGINT raising KeyboardInterrupt."""
-        from kernel.cell import run_cell
+        from kernel.worker.runner import run_cell
         applied = limits.begin_cell(self.settings)
         signal.signal(signal.SIGINT, signal.default_int_handler)
         try:
@@ -413,7 +413,7 @@ class Holder(Process):
 
     def execute(self, msg):
         """Run a cell; on success store the new state and stay as its holder."""
-        from kernel.cell import compile_cell
+        from kernel.worker.runner import compile_cell
         count = self.manifest["execution_count"] + 1
         answer = {"op": "result", "output": [], "error": None, "state_name": None,
                   "accessed_symbols": [], "modified_symbols": [], "deleted_symbols": [],
@@ -509,7 +509,7 @@ class Holder(Process):
 
     def multistate(self, msg):
         """Run a cell with other states' variables under aliases; store nothing."""
-        from kernel.cell import compile_cell
+        from kernel.worker.runner import compile_cell
         answer = {"op": "result", "output": [], "error": None, "state_name": None,
                   "accessed_symbols": [], "modified_symbols": [], "deleted_symbols": []}
         self.load()

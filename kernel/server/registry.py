@@ -14,8 +14,8 @@ import threading
 import time
 import uuid
 
-from kernel import limits
-from kernel.pool import Pool, WorkerError
+from kernel.worker import limits
+from kernel.server.pool import Pool, WorkerError
 from storage import snapshot
 from storage.store import Store
 

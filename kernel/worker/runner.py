@@ -26,7 +26,7 @@ import re
 import signal
 import tokenize
 
-from kernel import outputs
+from kernel.worker import outputs
 
 _KERNEL_DIR = os.path.dirname(os.path.abspath(__file__))
 _counter = itertools.count(1)

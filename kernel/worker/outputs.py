@@ -47,7 +47,7 @@ DEFAULTS = {
 }
 
 # Backend name under which kernel/mpl_backend.py is loaded by matplotlib.
-MPL_BACKEND = "module://kernel.mpl_backend"
+MPL_BACKEND = "module://kernel.worker.mpl_backend"
 
 # MIME types whose value is base64 of binary data (one string, no newlines).
 _BINARY_MIMES = ("image/png", "image/jpeg", "image/gif", "application/pdf")
