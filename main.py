@@ -9,25 +9,27 @@ the token into the app's config, where it is read from).
 
 import argparse
 import atexit
-import fcntl
 import functools
 import hmac
 import ipaddress
 import json
 import logging
 import os
+import queue
 import signal
 import sys
 import threading
-import unicodedata
 import urllib.parse
 
 import bottle
 
-from kernel import config as config_mod
 from api import openapi
-from kernel.server.registry import Kernel, KernelError
-from storage.store import StoreError
+from api.errors import BadRequest, PayloadTooLarge, status_of
+from api.validation import check_body, check_state_name
+from kernel import config as config_mod
+from kernel import trace
+from kernel.server.registry import Registry
+from storage.store import StoreError, try_server_lock
 
 app = bottle.Bottle()
 log = logging.getLogger("snapshot_kernel")
@@ -35,25 +37,16 @@ log = logging.getLogger("snapshot_kernel")
 _kernel = None
 _kernel_lock = threading.Lock()
 _settings = None
-MAX_NAME = 200
 
 
-class BadRequest(Exception):
-    """The request is malformed: answered with 400."""
-
-
-class ServerLock:
-    """An exclusive lock on the data directory: one server per store."""
-
-    def __init__(self, data_dir):
-        """Take the lock or raise StoreError naming the directory."""
-        os.makedirs(data_dir, exist_ok=True)
-        self.file = open(os.path.join(data_dir, "server.lock"), "a+")
-        try:
-            fcntl.flock(self.file, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            raise StoreError(f"another server is already using the store at {data_dir}; "
-                             f"stop it or choose another --data-dir") from None
+def lock_store(data_dir):
+    """The store's server lock (one server per store), or StoreError naming the folder."""
+    os.makedirs(data_dir, exist_ok=True)
+    lock = try_server_lock(data_dir)
+    if lock is None:
+        raise StoreError(f"another server is already using the store at {data_dir}; "
+                         f"stop it or choose another --data-dir")
+    return lock
 
 
 def settings():
@@ -68,13 +61,13 @@ def settings():
 
 
 def get_kernel():
-    """The kernel, started on first use (so `main:app` works under bottle's CLI)."""
+    """The registry of states, started on first use (so `main:app` works under bottle's CLI)."""
     global _kernel
     with _kernel_lock:
         if _kernel is None:
             s = settings()
-            app.config["server_lock"] = ServerLock(s["server.data_dir"])
-            _kernel = Kernel(s)
+            app.config["server_lock"] = lock_store(s["server.data_dir"])
+            _kernel = Registry(s)
             atexit.register(_kernel.close)
         return _kernel
 
@@ -106,6 +99,14 @@ def _error_response(status, etype, message):
     return _json_response(status, {"error": {"type": etype, "message": message}})
 
 
+class NDJSON:
+    """A streamed answer: its lines (dicts), sent as application/x-ndjson."""
+
+    def __init__(self, lines):
+        """Wrap an iterator of JSON-able lines."""
+        self.lines = lines
+
+
 def route(method, path, auth=True):
     """Register a JSON route: auth, error mapping, JSON encoding."""
     def wrap(handler):
@@ -115,29 +116,38 @@ def route(method, path, auth=True):
             """Answer one request."""
             if auth and not _token_ok():
                 return _error_response(401, "Unauthorized", "missing or invalid token")
+            trace.stamp("request")
             try:
-                return _json_response(200, handler(*args, **kwargs))
-            except BadRequest as exc:
-                return _error_response(400, "BadRequest", str(exc))
-            except KernelError as exc:
-                return _error_response(exc.status, exc.etype, str(exc))
-            except StoreError as exc:
-                return _error_response(503, "StoreUnavailable", str(exc))
+                result = handler(*args, **kwargs)
             except Exception as exc:
-                log.exception("internal error on %s %s", method, path)
-                return _error_response(500, "InternalError", f"{type(exc).__name__}: {exc}")
+                return _failure(exc, method, path)
+            if isinstance(result, NDJSON):
+                return bottle.HTTPResponse(
+                    status=200, headers={"Content-Type": "application/x-ndjson"},
+                    body=(json.dumps(line) + "\n" for line in result.lines))
+            trace.stamp("reply")
+            return _json_response(200, result)
         app.route(path, method, run)
         return run
     return wrap
 
 
-def body():
-    """The request's JSON object, within max_body_mb."""
+def _failure(exc, method, path):
+    """The JSON error answering `exc`."""
+    found = status_of(exc)
+    if found is None:
+        log.exception("internal error on %s %s", method, path)
+        return _error_response(500, "InternalError", f"{type(exc).__name__}: {exc}")
+    return _error_response(found[0], found[1], str(exc))
+
+
+def body(path):
+    """The request's JSON object, within max_body_mb, checked against `path`'s schema."""
     limit = settings()["server.max_body_mb"] * 2 ** 20
     length = bottle.request.content_length
     if length > limit:
-        raise KernelError(413, "PayloadTooLarge", f"the body is larger than max_body_mb "
-                          f"({settings()['server.max_body_mb']} MiB)")
+        raise PayloadTooLarge(f"the body is larger than max_body_mb "
+                              f"({settings()['server.max_body_mb']} MiB)")
     raw = bottle.request.environ["wsgi.input"].read(length) if length > 0 else b""
     if not raw:
         raise BadRequest("the request needs a JSON object body")
@@ -149,72 +159,69 @@ def body():
         raise BadRequest(f"the body is not valid JSON: {str(exc)[:200]}") from None
     if not isinstance(data, dict):
         raise BadRequest("the body must be a JSON object")
+    check_body(path, bottle.request.method, data)
     return data
 
 
-def state_name(value, field):
-    """A valid state name, or 400."""
-    if not isinstance(value, str):
-        raise BadRequest(f"{field} must be a string")
-    if not value or len(value) > MAX_NAME:
-        raise BadRequest(f"{field} must have 1 to {MAX_NAME} characters")
-    if any(unicodedata.category(c) in ("Cc", "Cs") for c in value):
-        raise BadRequest(f"{field} must not contain control characters")
-    return value
+def streamed(run):
+    """The answer of `run(on_output)` as NDJSON lines, sent as the cell produces them.
 
+    An error raised before the cell produced anything is answered as usual
+    (JSON error, its status); one raised later ends the stream with an
+    `{"type": "error", "error": {...}}` line.
+    """
+    events = queue.Queue()
 
-def field(data, name, kind, required=True, default=None):
-    """A typed field of the body, or 400."""
-    if name not in data or data[name] is None:
-        if required:
-            raise BadRequest(f"missing field {name!r}")
-        return default
-    value = data[name]
-    kinds = kind if isinstance(kind, tuple) else (kind,)
-    if not isinstance(value, kinds) or isinstance(value, bool) and bool not in kinds:
-        names = " or ".join(k.__name__ for k in kinds)
-        raise BadRequest(f"field {name!r} must be of type {names}")
-    return value
+    def work():
+        """Run the request in a thread of its own, feeding `events`."""
+        try:
+            events.put({"type": "answer",
+                        "answer": run(lambda item: events.put(item)).to_json()})
+        except Exception as exc:
+            events.put(exc)
 
+    threading.Thread(target=work, name="stream", daemon=True).start()
+    first = events.get()
+    if isinstance(first, Exception):
+        raise first
 
-def name_list(data, name):
-    """A list of strings field, or 400."""
-    value = field(data, name, list)
-    if not all(isinstance(v, str) for v in value):
-        raise BadRequest(f"field {name!r} must be a list of strings")
-    return value
+    def lines():
+        """Every line up to the answer."""
+        event = first
+        while True:
+            if isinstance(event, Exception):
+                response = _failure(event, "POST", "stream")
+                yield {"type": "error", "error": json.loads(response.body)["error"]}
+                return
+            yield event
+            if event.get("type") == "answer":
+                trace.stamp("reply")
+                return
+            event = events.get()
 
-
-def exec_id(data):
-    """The exec_id field (a string or an integer)."""
-    return field(data, "exec_id", (str, int))
+    return NDJSON(lines())
 
 
 @route("POST", "/execute")
 def execute():
     """Run a cell from a state."""
-    data = body()
-    code = field(data, "code", str, required=False, default="")
-    new = data.get("new_state_name")
-    return get_kernel().execute(code, exec_id(data), state_name(field(data, "state_name", str),
-                                                            "state_name"),
-                            None if new is None else state_name(new, "new_state_name"))
+    data = body("/execute")
+    run = functools.partial(get_kernel().execute, data.get("code") or "", data["exec_id"],
+                            data["state_name"], data.get("new_state_name"))
+    if data.get("stream"):
+        return streamed(lambda on_output: run(on_output=on_output))
+    return run().to_json()
 
 
 @route("POST", "/multistate_execute")
 def multistate_execute():
     """Run a cell with several states under aliases; nothing is stored."""
-    data = body()
-    code = field(data, "code", str, required=False, default="")
-    mapping = field(data, "state_mapping", dict)
-    for alias, target in mapping.items():
-        if not alias.isidentifier():
-            raise BadRequest(f"alias {alias!r} is not a Python identifier")
-        state_name(target, f"state_mapping[{alias!r}]")
-    default = data.get("default_state")
-    if default is not None:
-        state_name(default, "default_state")
-    return get_kernel().multistate_execute(code, exec_id(data), mapping, default)
+    data = body("/multistate_execute")
+    run = functools.partial(get_kernel().multistate_execute, data.get("code") or "",
+                            data["exec_id"], data["state_mapping"], data.get("default_state"))
+    if data.get("stream"):
+        return streamed(lambda on_output: run(on_output=on_output))
+    return run().to_json()
 
 
 @route("GET", "/states")
@@ -236,7 +243,7 @@ def path_name(name):
         # WSGI strings carry the raw bytes as latin-1; names are UTF-8.
         name = urllib.parse.unquote_to_bytes(raw[len(prefix):].encode("latin-1")).decode(
             "utf-8", "surrogateescape")
-    return state_name(name, "name")
+    return check_state_name(name, "the state name")
 
 
 @route("GET", "/states/<name:path>")
@@ -256,30 +263,24 @@ def delete_state(name):
 @route("POST", "/symbol_hashes")
 def symbol_hashes():
     """Content hashes of variables, from the manifest."""
-    data = body()
-    algo = field(data, "hash_algo", str, required=False)
-    return {"hashes": get_kernel().symbol_hashes(
-        state_name(field(data, "state_name", str), "state_name"),
-        name_list(data, "symbols"), algo)}
+    data = body("/symbol_hashes")
+    return {"hashes": get_kernel().symbol_hashes(data["state_name"], data["symbols"],
+                                                 data.get("hash_algo"))}
 
 
 @route("POST", "/alias_groups")
 def alias_groups():
     """Alias groups and fingerprints, from the manifest."""
-    data = body()
-    return get_kernel().alias_groups(state_name(field(data, "state_name", str), "state_name"))
+    return get_kernel().alias_groups(body("/alias_groups")["state_name"])
 
 
 @route("POST", "/rebuild_state")
 def rebuild_state():
     """Build a state from two others' variables without running code."""
-    data = body()
-    new = data.get("new_state_name")
-    return get_kernel().rebuild(
-        state_name(field(data, "input_state", str), "input_state"),
-        state_name(field(data, "source_state", str), "source_state"),
-        name_list(data, "source_vars"), name_list(data, "input_vars"),
-        None if new is None else state_name(new, "new_state_name"))
+    data = body("/rebuild_state")
+    return get_kernel().rebuild(data["input_state"], data["source_state"],
+                                data["source_vars"], data["input_vars"],
+                                data.get("new_state_name"))
 
 
 @route("POST", "/reset")
@@ -292,7 +293,7 @@ def reset():
 @route("POST", "/interrupt")
 def interrupt():
     """Interrupt a running execution."""
-    return {"interrupted": get_kernel().interrupt(exec_id(body()))}
+    return {"interrupted": get_kernel().interrupt(body("/interrupt")["exec_id"])}
 
 
 @route("GET", "/openapi.json")

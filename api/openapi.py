@@ -8,6 +8,9 @@ tells nothing secret, but "only /health is open" is a rule easy to check.
 """
 
 import copy
+import dataclasses
+
+from kernel.protocol import ExecuteAnswer
 
 MAX_NAME = 200
 
@@ -21,11 +24,13 @@ _ERROR = {
     }},
 }
 
-_STATE_NAME = {
+STATE_NAME = {
     "type": "string", "minLength": 1, "maxLength": MAX_NAME,
+    "pattern": "^[^\\x00-\\x1f\\x7f-\\x9f\\ud800-\\udfff]*$",
     "description": "1 to 200 characters, no control characters; slashes and any Unicode "
                    "are fine",
 }
+_STATE_NAME = STATE_NAME
 
 _EXEC_ID = {"description": "Identifies the execution for /interrupt and 409 on reuse",
             "oneOf": [{"type": "string"}, {"type": "integer"}]}
@@ -46,22 +51,26 @@ _OUTPUT = {
         "stream", "display_data", "execute_result", "error", "update_display_data"]}},
 }
 
-_EXECUTE_ANSWER = {
-    "type": "object",
-    "required": ["output", "state_name", "error", "accessed_symbols", "modified_symbols",
-                 "deleted_symbols"],
-    "properties": {
-        "output": {"type": "array", "items": _OUTPUT},
-        "state_name": {"type": "string", "nullable": True,
-                       "description": "The new state; null when the cell failed"},
-        "error": _CELL_ERROR,
-        "accessed_symbols": _NAMES,
-        "modified_symbols": _NAMES,
-        "deleted_symbols": _NAMES,
-        "execution_count": {"type": "integer", "nullable": True},
-        "volatile_symbols": {"type": "array", "nullable": True, "items": {"type": "string"}},
-    },
+# The schema of each field of kernel.protocol.ExecuteAnswer (which defines the fields).
+_ANSWER_FIELDS = {
+    "output": {"type": "array", "items": _OUTPUT},
+    "state_name": {"type": "string", "nullable": True,
+                   "description": "The new state; null when the cell failed"},
+    "error": _CELL_ERROR,
+    "accessed_symbols": _NAMES,
+    "modified_symbols": _NAMES,
+    "deleted_symbols": _NAMES,
+    "execution_count": {"type": "integer", "nullable": True},
+    "volatile_symbols": _NAMES,
 }
+assert list(_ANSWER_FIELDS) == [f.name for f in dataclasses.fields(ExecuteAnswer)]
+_EXECUTE_ANSWER = {"type": "object", "required": list(_ANSWER_FIELDS),
+                   "properties": _ANSWER_FIELDS}
+_STREAM = {"type": "boolean", "nullable": True,
+           "description": "true: answer application/x-ndjson, one line per output item as "
+                          "the cell produces it ({\"type\": \"output\", \"output\"} or "
+                          "{\"type\": \"clear_output\", \"wait\"}), then "
+                          "{\"type\": \"answer\", \"answer\"}"}
 
 _GROUPS = {
     "type": "object", "required": ["groups", "fingerprints"],
@@ -99,19 +108,24 @@ def document(version="0.3.0"):
     paths = {
         "/execute": {"post": {
             "summary": "Run a cell from a state; on success the new state is stored",
-            "requestBody": _body({"code": {"type": "string"}, "exec_id": _EXEC_ID,
+            "requestBody": _body({"code": {"type": "string", "nullable": True},
+                                  "exec_id": _EXEC_ID,
                                   "state_name": _STATE_NAME,
-                                  "new_state_name": dict(_STATE_NAME, nullable=True)},
+                                  "new_state_name": dict(_STATE_NAME, nullable=True),
+                                  "stream": _STREAM},
                                  ["exec_id", "state_name"]),
             "responses": _answer(_EXECUTE_ANSWER, "The cell's outputs and the new state's "
                                  "name; a missing input state is error StateNotFound",
                                  body_errors + (409, 507))}},
         "/multistate_execute": {"post": {
             "summary": "Run a cell with states under aliases; nothing is stored",
-            "requestBody": _body({"code": {"type": "string"}, "exec_id": _EXEC_ID,
-                                  "state_mapping": {"type": "object",
-                                                    "additionalProperties": _STATE_NAME},
-                                  "default_state": dict(_STATE_NAME, nullable=True)},
+            "requestBody": _body({"code": {"type": "string", "nullable": True},
+                                  "exec_id": _EXEC_ID,
+                                  "state_mapping": {
+                                      "type": "object", "additionalProperties": _STATE_NAME,
+                                      "description": "Keys are Python identifiers"},
+                                  "default_state": dict(_STATE_NAME, nullable=True),
+                                  "stream": _STREAM},
                                  ["exec_id", "state_mapping"]),
             "responses": _answer(_EXECUTE_ANSWER, "The cell's outputs; state_name is null",
                                  body_errors + (409,))}},
@@ -125,7 +139,8 @@ def document(version="0.3.0"):
                 "parameters": _name_param(),
                 "responses": _answer({"type": "object", "required": [
                     "name", "timestamp", "variables"], "properties": {
-                    "name": {"type": "string"}, "timestamp": {"type": "number"},
+                    "name": {"type": "string"},
+                    "timestamp": {"type": "string", "format": "date-time"},
                     "variables": {"type": "object", "additionalProperties": {
                         "type": "object", "properties": {"type": {"type": "string"},
                                                          "repr": {"type": "string"}}}},

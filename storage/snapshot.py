@@ -265,29 +265,3 @@ def load_modules(manifest, namespace, names=None):
     for name, module in manifest["modules"].items():
         if names is None or name in names:
             namespace[name] = importlib.import_module(module)
-
-
-class ReplayFailed(Exception):
-    """Replaying the cell that made a volatile variable failed."""
-
-
-def replay_volatile(manifest, namespace, names=None):
-    """Recompute volatile variables by re-running the cells that made them.
-
-    Each cell runs in a shallow copy of the restored namespace and only its
-    volatile names are taken back.
-    """
-    by_code = {}
-    for name, record in manifest["volatile"].items():
-        if names is None or name in names:
-            by_code.setdefault(record["code"], []).append(name)
-    for code, wanted in by_code.items():
-        scratch = dict(namespace)
-        try:
-            exec(compile(code, f"<replay of {wanted[0]}>", "exec"), scratch)
-            namespace.update({n: scratch[n] for n in wanted})
-        except BaseException as exc:
-            raise ReplayFailed(
-                f"cannot recompute volatile variable(s) {', '.join(wanted)}: replaying "
-                f"the cell that made them ({code[:200]!r}) raised "
-                f"{type(exc).__name__}: {exc}") from None

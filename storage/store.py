@@ -225,7 +225,7 @@ def try_server_lock(data_dir):
     """Take the exclusive server lock of `data_dir` without waiting.
 
     The same flock a running server holds on `<data_dir>/server.lock` (see
-    main.py ServerLock). Returns the open lock file, which keeps the lock
+    main.py lock_store). Returns the open lock file, which keeps the lock
     until it is closed, or None when another process (a server) holds it.
     Operator tools that write the store take it so no server starts meanwhile.
     """

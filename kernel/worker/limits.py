@@ -11,7 +11,7 @@ Two layers enforce `limits.max_cell_memory_mb` and `limits.max_cell_processes`:
   the cell's process moves into a cgroup of its own with
   pids.max = limit + 1 (its own process included; threads count as tasks
   too), so fork() past the limit fails with EAGAIN (BlockingIOError).
-- In the server, every 0.25 s (kernel/registry.py `_watch`): the private
+- In the server, every 0.25 s (kernel/server/supervisor.py): the private
   resident memory of the cell's process (what it allocated or copied, not
   the pages it shares with its state's holder) and the number of processes
   in its process group. Past a limit the cell is killed (MemoryLimit,
@@ -27,6 +27,7 @@ by a cell counts against RLIMIT_AS though not against the RSS watchdog.
 
 import os
 import resource
+import signal
 
 _CGROUP_V1_PIDS = "/sys/fs/cgroup/pids"
 # The cgroup folder of this zygote's cells (set in the zygote, inherited by forks).
@@ -109,7 +110,7 @@ class Applied:
 def begin_cell(settings):
     """Apply the cell limits to this process; returns what end_cell must undo."""
     applied = Applied()
-    memory_mb = settings.get("limits.max_cell_memory_mb", 0)
+    memory_mb = settings["limits.max_cell_memory_mb"]
     if memory_mb:
         try:
             old = resource.getrlimit(resource.RLIMIT_AS)
@@ -120,7 +121,7 @@ def begin_cell(settings):
             applied.old_as, applied.memory_mb = old, memory_mb
         except (OSError, ValueError):
             pass
-    processes = settings.get("limits.max_cell_processes", 0)
+    processes = settings["limits.max_cell_processes"]
     if processes and _base is not None:
         folder = os.path.join(_base, f"cell-{os.getpid()}")
         try:
@@ -160,42 +161,28 @@ def end_cell(applied):
             pass  # the cell's leftover processes stay bounded in their cgroup
 
 
-def relabel(result, applied):
-    """(outputs, error) of a cell, a MemoryError under the limit named MemoryLimit."""
-    outputs, error = result
+def run_limited(cell, namespace, execution_count, settings, sink=None):
+    """Run a compiled cell under the cell limits, SIGINT raising KeyboardInterrupt.
+
+    Returns (outputs, error) as kernel.worker.runner.run_cell does, with a
+    MemoryError under the memory limit named MemoryLimit. A process that the
+    cell forked and that returns from it (os.fork() without exec) exits here,
+    quietly: only the process the pool forked may answer and store.
+    """
+    from kernel.worker import runner
+    owner = os.getpid()
+    applied = begin_cell(settings)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        extra = {"sink": sink} if sink is not None else {}
+        outputs, error = runner.run_cell(cell, namespace, execution_count, settings, **extra)
+    finally:
+        if os.getpid() != owner:
+            os._exit(0)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        end_cell(applied)
     if applied.memory_mb and error and error.get("ename") == "MemoryError":
         error = dict(error, ename="MemoryLimit", evalue=(
             f"the cell used more than max_cell_memory_mb = {applied.memory_mb} MiB "
             f"(MemoryError: {error.get('evalue', '')})"))
     return outputs, error
-
-
-def private_bytes(pid):
-    """Private resident memory of a process in bytes (its own pages; 0 if gone)."""
-    try:
-        with open(f"/proc/{pid}/smaps_rollup") as f:
-            total = 0
-            for line in f:
-                if line.startswith(("Private_Clean:", "Private_Dirty:")):
-                    total += int(line.split()[1]) * 1024
-            return total
-    except (OSError, ValueError, IndexError):
-        return 0
-
-
-def group_processes(pgid):
-    """How many processes are in process group `pgid`."""
-    count = 0
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                stat = f.read()
-        except OSError:
-            continue
-        # Fields after the command name (which may hold spaces): state ppid pgrp ...
-        fields = stat[stat.rfind(")") + 2:].split()
-        if len(fields) > 2 and fields[2] == str(pgid):
-            count += 1
-    return count

@@ -1,0 +1,40 @@
+"""Which HTTP status answers which error: the one place statuses are chosen.
+
+The kernel and the store raise domain errors (kernel/errors.py,
+storage.store); the HTTP layer answers each with its status and the JSON
+error `{"error": {"type", "message"}}`.
+"""
+
+from kernel.errors import (Conflict, InvalidRequest, KernelError, RequestFailed,
+                           StateNotFound)
+from storage.store import StoreError, StoreFull
+
+
+class BadRequest(Exception):
+    """The request is malformed: answered with 400."""
+
+
+class PayloadTooLarge(Exception):
+    """The body is larger than max_body_mb: answered with 413."""
+
+
+# (error class, status, JSON error type or None for the error's own etype), first match wins.
+_STATUSES = (
+    (BadRequest, 400, "BadRequest"),
+    (PayloadTooLarge, 413, "PayloadTooLarge"),
+    (InvalidRequest, 400, None),
+    (StateNotFound, 404, None),
+    (Conflict, 409, None),
+    (RequestFailed, 500, None),
+    (KernelError, 500, None),
+    (StoreFull, 507, "StoreFull"),
+    (StoreError, 503, "StoreUnavailable"),
+)
+
+
+def status_of(exc):
+    """(HTTP status, error type) for a domain error; None for an unexpected exception."""
+    for cls, status, etype in _STATUSES:
+        if isinstance(exc, cls):
+            return status, etype or exc.etype
+    return None

@@ -1,0 +1,199 @@
+"""The supervisor of runs: one request in a child at a time, watched until it ends.
+
+It takes a child of the state's live holder, sends the request, and waits
+for the result while enforcing the cell limits from the outside (timeout,
+private memory, process count), relaying streamed outputs, and answering
+/interrupt: SIGINT first (KeyboardInterrupt in the cell, which also ends
+`time.sleep`), SIGKILL after `interrupt_grace_s`. A child that dies on its
+own is reported with how it ended; the state it ran from is untouched.
+"""
+
+import os
+import queue
+import signal
+import threading
+import time
+
+from kernel import protocol, trace
+from kernel.errors import Conflict
+from kernel.server.pool import WorkerError
+
+
+class Run:
+    """One request in flight: its child and what the watchers did to it."""
+
+    def __init__(self, exec_id):
+        """Track request `exec_id` (None: not interruptible); no child yet."""
+        self.exec_id = exec_id
+        self.child = None
+        self.phase = "running"
+        self.stopped = None  # (ename, evalue) once a watcher or /interrupt stopped it
+        self.started = time.monotonic()
+
+
+class Supervisor:
+    """Runs requests in children of live states, by exec_id."""
+
+    def __init__(self, settings, pool):
+        """Watch runs under `settings`' limits, taking children from `pool`."""
+        self.settings = settings
+        self.pool = pool
+        self.lock = threading.Lock()
+        self.running = {}  # exec_id -> Run
+
+    def run(self, manifest, request, on_output=None):
+        """Send `request` to a child of `manifest`'s state; (result message, child).
+
+        The result is what the child answered (protocol.CellResult or
+        RebuildResult), or `request.failed(...)` saying how the run was
+        stopped or could not start; the child is None when none ran it.
+        `on_output(item)` receives streamed output items.
+        """
+        key = request.exec_id
+        run = Run(key)
+        with self.lock:
+            if key is not None and key in self.running:
+                raise Conflict(f"exec_id {key!r} is already running")
+            if key is not None:
+                self.running[key] = run
+        try:
+            try:
+                run.child = self._take_child(manifest)
+            except WorkerError as exc:
+                return request.failed(protocol.error(exc.ename, str(exc))), None
+            if run.stopped:
+                run.child.kill()
+                return request.failed(protocol.error(*run.stopped)), None
+            run.child.send(request)
+            trace.stamp("sent", key)
+            run.started = time.monotonic()  # cell_timeout_s counts the cell, not a restore
+            result = self._wait(run, request, on_output)
+            trace.stamp("answer", key)
+            return result, run.child
+        finally:
+            with self.lock:
+                if key is not None:
+                    self.running.pop(key, None)
+            if run.child is not None:
+                self.pool.cell_done()
+
+    def _take_child(self, manifest):
+        """A child of the state's live holder, restoring the state once more if that
+        holder was evicted or replaced between being found and being asked."""
+        live = self.pool.live_state(manifest)
+        try:
+            return self.pool.take_child(live)
+        except WorkerError:
+            if live.alive():
+                raise
+            return self.pool.take_child(self.pool.live_state(manifest))
+
+    def _wait(self, run, request, on_output):
+        """The child's result, or a failure saying how it was stopped or died."""
+        while True:
+            try:
+                msg = run.child.messages.get(timeout=0.25)
+            except queue.Empty:
+                self._watch(run)
+                continue
+            if msg is None:
+                status = self.pool.exit_status(run.child.pid)
+                run.child.kill()
+                if run.stopped:
+                    return request.failed(protocol.error(*run.stopped))
+                return request.failed(protocol.error("WorkerDied",
+                                                     f"the cell's process {status}"))
+            if isinstance(msg, protocol.Phase):
+                run.phase = msg.phase
+            elif isinstance(msg, protocol.Output):
+                if on_output is not None:
+                    on_output(msg.item)
+            else:
+                if msg.manifest is None:
+                    run.child.kill()
+                if isinstance(msg, protocol.CellResult) and msg.answer.error and \
+                        run.stopped and run.stopped[0] != "KeyboardInterrupt":
+                    # The SIGINT of a timeout surfaces as KeyboardInterrupt: say why.
+                    msg.answer.error = protocol.error(*run.stopped)
+                return msg
+
+    def _watch(self, run):
+        """Enforce cell_timeout_s, max_cell_memory_mb and max_cell_processes on a cell."""
+        timeout = self.settings["limits.cell_timeout_s"]
+        max_mem = self.settings["limits.max_cell_memory_mb"] * 2 ** 20
+        max_procs = self.settings["limits.max_cell_processes"]
+        if run.phase != "running" or run.stopped:
+            return
+        if timeout and time.monotonic() - run.started > timeout:
+            self._stop(run, "Timeout", f"the cell ran longer than cell_timeout_s = {timeout} s")
+        elif max_mem and private_bytes(run.child.pid) > max_mem:
+            # Private pages only: the state shared with the holder is not the cell's.
+            run.stopped = ("MemoryLimit", "the cell used more than max_cell_memory_mb = "
+                           f"{max_mem // 2 ** 20} MiB")
+            run.child.kill()
+        elif max_procs and group_processes(run.child.pid) > max_procs + 1:
+            run.stopped = ("ProcessLimit", "the cell had more than max_cell_processes = "
+                           f"{max_procs} processes alive")
+            run.child.kill()
+
+    def _stop(self, run, ename, evalue):
+        """SIGINT the run's child now, SIGKILL it after the grace period."""
+        if run.stopped is None:
+            run.stopped = (ename, evalue)
+        try:
+            os.kill(run.child.pid, signal.SIGINT)
+        except ProcessLookupError:
+            pass
+        threading.Timer(self.settings["workers.interrupt_grace_s"], self._kill_if_running,
+                        args=(run,)).start()
+
+    def _kill_if_running(self, run):
+        """SIGKILL a child still running its cell after the grace period."""
+        if run.phase == "running" and run.child.alive:
+            run.child.kill()
+
+    def interrupt(self, exec_id):
+        """Stop the run `exec_id`; False if no such run is in its cell."""
+        with self.lock:
+            run = self.running.get(exec_id)
+        if run is None:
+            return False
+        if run.child is None:
+            run.stopped = ("KeyboardInterrupt", "interrupted before the cell started")
+            return True
+        if run.phase != "running":
+            return False
+        self._stop(run, "KeyboardInterrupt",
+                   "the cell did not stop on SIGINT and was killed after interrupt_grace_s")
+        return True
+
+
+def private_bytes(pid):
+    """Private resident memory of a process in bytes (its own pages; 0 if gone)."""
+    try:
+        with open(f"/proc/{pid}/smaps_rollup") as f:
+            total = 0
+            for line in f:
+                if line.startswith(("Private_Clean:", "Private_Dirty:")):
+                    total += int(line.split()[1]) * 1024
+            return total
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
+def group_processes(pgid):
+    """How many processes are in process group `pgid`."""
+    count = 0
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                stat = f.read()
+        except OSError:
+            continue
+        # Fields after the command name (which may hold spaces): state ppid pgrp ...
+        fields = stat[stat.rfind(")") + 2:].split()
+        if len(fields) > 2 and fields[2] == str(pgid):
+            count += 1
+    return count

@@ -1,0 +1,262 @@
+"""The cell child: a fork of a state's holder that runs one request at a time.
+
+It runs the request on its copy-on-write copy of the state (`Execute`,
+`Multistate`, `Rebuild`: kernel/protocol.py), and for one that made a new
+state it stores what changed, answers, forks the idle holder of the new
+state and stays on as that state's first spare, ready for the next request
+on the same channel. Any other request's child exits after answering, so
+the input state is never touched.
+"""
+
+import contextlib
+import gc
+import os
+import traceback
+import types
+
+from kernel import protocol, trace
+from kernel.channel import ChannelClosed
+from kernel.protocol import ExecuteAnswer
+from kernel.worker import limits, reads, replay, runner
+from kernel.worker.process import become_worker, user_names
+from storage import snapshot
+from storage.store import StoreError, StoreFull
+
+
+class CellChild:
+    """Runs requests on `state` (the StateHolder object this process inherited)."""
+
+    def __init__(self, state):
+        """Serve requests on `state`'s namespace, over its channel."""
+        self.state = state
+        self.channel = state.channel
+        self.forked_holders = []  # pids of the holders this process forked (fork_holder)
+
+    def run(self, msg):
+        """Serve requests: after one that made a state, stay as a spare of that state
+        (its holder forked off) and take the next; otherwise exit."""
+        handlers = {protocol.Execute: self.execute, protocol.Multistate: self.multistate,
+                    protocol.Rebuild: self.rebuild}
+        while True:
+            trace.stamp("received", msg.exec_id)
+            made = None
+            try:
+                made, result = handlers[type(msg)](msg)
+            except ChannelClosed:
+                os._exit(0)
+            except Exception as exc:
+                result = msg.failed(protocol.error(type(exc).__name__, str(exc),
+                                                   traceback.format_exc().splitlines()))
+            try:
+                self.channel.send(result)
+                trace.stamp("answered", msg.exec_id)
+                if made is None:
+                    os._exit(0)
+                self.state.manifest = made
+                self.fork_holder()
+                msg = self.channel.recv()
+            except (ChannelClosed, OSError):
+                os._exit(0)
+
+    def sink(self, msg):
+        """Where the cell's outputs go as it produces them: the channel, if streamed."""
+        if not msg.stream:
+            return None
+        return lambda item: self.channel.send(protocol.Output(item))
+
+    def prepare(self, cell, extra_names=()):
+        """Analyse the cell's reads and writes, loading what it needs first."""
+        state = self.state
+        names_before = state.state_names() | set(extra_names)
+        while True:
+            if cell.uses_ipython:
+                found = reads.Analysis(set(names_before), set(names_before), True)
+            else:
+                found = reads.analyse(cell.codes, state.namespace, names_before)
+            missing = (found.reads | found.writes) & state.unloaded_names()
+            if found.dynamic:
+                missing = state.unloaded_names()
+            if not missing:
+                return found
+            state.load(missing)
+
+    def execute(self, msg):
+        """Run a cell; on success store the new state. Returns (manifest or None, result)."""
+        state, namespace = self.state, self.state.namespace
+        count = state.manifest["execution_count"] + 1
+        cell = runner.compile_cell(msg.code, count)
+        trace.stamp("compiled", msg.exec_id)
+        if cell.error:
+            return None, protocol.CellResult(ExecuteAnswer.failed(cell.error, count))
+        try:
+            found = self.prepare(cell)
+        except (StoreError, replay.ReplayFailed) as exc:
+            return None, protocol.CellResult(ExecuteAnswer.failed(
+                protocol.error(type(exc).__name__, str(exc), []), count))
+        before = {n: namespace[n] for n in user_names(namespace)}
+        names_before = state.state_names()
+        outputs, error = limits.run_limited(cell, namespace, count, state.settings,
+                                            self.sink(msg))
+        trace.stamp("ran", msg.exec_id)
+        after = user_names(namespace)
+        modified = {n for n in after if n not in before or before[n] is not namespace[n]}
+        modified |= found.writes & after
+        deleted = names_before - after - state.unloaded_names()
+        answer = ExecuteAnswer(output=outputs, error=error, execution_count=count,
+                               accessed_symbols=sorted(found.reads & names_before),
+                               modified_symbols=sorted(modified),
+                               deleted_symbols=sorted(deleted))
+        if error is not None:
+            return None, protocol.CellResult(answer)
+        self.channel.send(protocol.Phase("saving"))
+        touched = found.reads | found.writes | modified | deleted
+        if found.dynamic:
+            touched |= names_before | after
+        try:
+            manifest = self.save(msg, count, touched, after)
+        except (StoreFull, StoreError) as exc:
+            answer.error = protocol.error(type(exc).__name__, str(exc), [])
+            return None, protocol.CellResult(answer)
+        trace.stamp("saved", msg.exec_id)
+        answer.state_name = msg.new_name
+        answer.volatile_symbols = sorted(manifest["volatile"])
+        return manifest, protocol.CellResult(answer, manifest)
+
+    def save(self, msg, count, touched, present):
+        """Write the new state: dirty groups re-pickled, the others carried."""
+        parent = self.state.manifest
+        manifest = snapshot.new_manifest(msg.new_name, parent, msg.code, count, msg.auto_named)
+        carried, dirty = [], set()
+        for group in parent["groups"]:
+            if touched.isdisjoint(group["members"]):
+                carried.append(group)
+            else:
+                dirty.update(m for m in group["members"] if m in present)
+        modules = [n for n in parent["modules"] if n not in touched]
+        volatile = [n for n in parent["volatile"] if n not in touched]
+        dirty |= (touched & present) - set(modules) - set(volatile)
+        snapshot.carry(manifest, parent, carried, modules, volatile)
+        tag = f"{count}:{manifest['code_digest']}"
+        store = self.state.store()
+        records = snapshot.save_groups(store, manifest, self.state.namespace, sorted(dirty),
+                                       self.state.settings, class_tag=tag, parent=parent)
+        snapshot.commit(store, manifest, records)
+        return manifest
+
+    def fork_holder(self):
+        """Fork the idle holder of the state this process just made.
+
+        This process, connected and warm, stays as the state's first spare:
+        in a notebook run top to bottom the next cell comes from this state
+        within milliseconds and need not wait for a fork.
+        """
+        # Holders forked earlier and since stopped: reaped by pid (a cell's own
+        # subprocesses are the cell's to wait for).
+        for pid in list(self.forked_holders):
+            with contextlib.suppress(ChildProcessError):
+                if os.waitpid(pid, os.WNOHANG)[0] == 0:
+                    continue
+            self.forked_holders.remove(pid)
+        gc.collect()  # the last cell's cyclic garbage, before freeze() would keep it
+        gc.freeze()
+        pid = os.fork()
+        if pid:
+            self.forked_holders.append(pid)
+            return
+        become_worker("holder")
+        state = self.state
+        state.channel.close()
+        try:
+            state.connect(protocol.HOLDER, state_id=state.manifest["id"])
+        except (ChannelClosed, OSError):
+            os._exit(0)
+        state.serve(state.reaper(), max(state.settings["workers.spare_children"] - 1, 0))
+
+    def multistate(self, msg):
+        """Run a cell with other states' variables under aliases; store nothing."""
+        state, namespace = self.state, self.state.namespace
+        state.load()
+        for alias, manifest in msg.aliases.items():
+            scope = {"__builtins__": namespace["__builtins__"]}
+            snapshot.check_compatible(manifest)
+            snapshot.load_modules(manifest, scope)
+            for group in manifest["groups"]:
+                snapshot.load_group(state.store(), group, scope)
+            replay.volatile(manifest, scope, state.settings)
+            scope.pop("__builtins__")
+            namespace[alias] = types.SimpleNamespace(**scope)
+        count = state.manifest["execution_count"] + 1
+        cell = runner.compile_cell(msg.code, count)
+        if cell.error:
+            return None, protocol.CellResult(ExecuteAnswer.failed(cell.error, count))
+        names_before = user_names(namespace)
+        found = self.prepare(cell, msg.aliases)
+        before = {n: namespace[n] for n in names_before}
+        outputs, error = limits.run_limited(cell, namespace, count, state.settings,
+                                            self.sink(msg))
+        after = user_names(namespace)
+        return None, protocol.CellResult(ExecuteAnswer(
+            output=outputs, error=error, execution_count=count,
+            accessed_symbols=sorted(found.reads & names_before),
+            modified_symbols=sorted(
+                n for n in after if n not in before or before[n] is not namespace[n]),
+            deleted_symbols=sorted(names_before - after)))
+
+    def rebuild(self, msg):
+        """Make a state of `source_vars` from a source state and `input_vars` from this one.
+
+        Groups wholly wanted are carried by blob key and loaded lazily; a
+        group split by the request is loaded and its wanted members re-pickled.
+        """
+        state = self.state
+        source = msg.source_manifest
+        snapshot.check_compatible(source)
+        want_source = set(msg.source_vars) & set(source["variables"])
+        want_input = (set(msg.input_vars) - want_source) & state.state_names()
+        parent = state.manifest
+        manifest = snapshot.new_manifest(msg.new_name, parent, "", parent["execution_count"],
+                                         msg.auto_named)
+        manifest["rebuilt_from"] = {"input": parent["name"], "source": source["name"]}
+        state.load_modules()
+        dirty = set()
+        sides = ((parent, want_input, state.unloaded_groups),
+                 (source, want_source, source["groups"]))
+        unloaded = []
+        for origin, wanted, origin_unloaded in sides:
+            whole = [g for g in origin["groups"] if set(g["members"]) <= wanted]
+            split = [g for g in origin["groups"]
+                     if not wanted.isdisjoint(g["members"]) and g not in whole]
+            for group in split:
+                if group in origin_unloaded or origin is source:
+                    self.load_split(group, wanted)
+                dirty |= wanted & set(group["members"])
+            unloaded += [g for g in whole if g in origin_unloaded or origin is source]
+            modules = [n for n in origin["modules"] if n in wanted]
+            volatile = [n for n in origin["volatile"] if n in wanted]
+            snapshot.carry(manifest, origin, whole, modules, volatile)
+            snapshot.load_modules(origin, state.namespace, set(modules))
+            if origin is source:
+                state.unloaded_volatile |= set(volatile)
+        keep = want_input | want_source
+        for name in user_names(state.namespace) - keep:
+            del state.namespace[name]
+        state.unloaded_volatile &= keep
+        store = state.store()
+        records = snapshot.save_groups(store, manifest, state.namespace, sorted(dirty),
+                                       state.settings)
+        snapshot.commit(store, manifest, records)
+        state.unloaded_groups = unloaded
+        return manifest, protocol.RebuildResult(manifest)
+
+    def load_split(self, group, wanted):
+        """Load a group but keep only its `wanted` members; others keep their values."""
+        namespace = self.state.namespace
+        saved = {m: namespace[m] for m in group["members"]
+                 if m not in wanted and m in namespace}
+        snapshot.load_group(self.state.store(), group, namespace)
+        for m in group["members"]:
+            if m not in wanted:
+                if m in saved:
+                    namespace[m] = saved[m]
+                else:
+                    del namespace[m]

@@ -1,0 +1,127 @@
+"""What every worker process shares: its channel to the server, the store, reaping.
+
+Worker processes are the zygotes, the holders of live states and the
+children that run cells (kernel/protocol.py names their roles). Each
+opens its own channel to the server's Unix socket and its own store handle.
+"""
+
+import ctypes
+import os
+import signal
+import types
+
+from kernel import protocol, trace
+from kernel.channel import Channel
+from storage import snapshot
+from storage.store import Store
+
+# The SIGCHLD pipe of this process, closed in forked children (which make their own).
+_wake_fds = []
+PR_SET_PDEATHSIG = 1
+PR_SET_CHILD_SUBREAPER = 36
+
+
+def prctl(option, value):
+    """Call prctl(2); best effort (Linux only)."""
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(option, value, 0, 0, 0)
+    except (OSError, AttributeError):
+        pass
+
+
+def core_free():
+    """True if fewer processes are running right now than there are cores (this one
+    included); True where /proc/loadavg cannot tell."""
+    try:
+        with open("/proc/loadavg") as f:
+            running = int(f.read().split()[3].split("/")[0])
+    except (OSError, ValueError, IndexError):
+        return True
+    return running <= (os.cpu_count() or 1)
+
+
+def fresh_main():
+    """Install an empty `__main__` module and return its namespace dict."""
+    import builtins
+    import sys
+    main = types.ModuleType("__main__")
+    main.__dict__["__builtins__"] = builtins
+    sys.modules["__main__"] = main
+    return main.__dict__
+
+
+def user_names(namespace):
+    """The notebook variable names of a namespace."""
+    return {n for n in namespace if snapshot.is_user_name(n)}
+
+
+def status_text(status):
+    """Describe a wait status: (the signal or exit code in words, the code)."""
+    if os.WIFSIGNALED(status):
+        sig = os.WTERMSIG(status)
+        try:
+            name = signal.Signals(sig).name
+        except ValueError:
+            name = str(sig)
+        hint = " (out of memory, or killed)" if sig == signal.SIGKILL else ""
+        return f"killed by signal {name}{hint}", -sig
+    return f"exited with code {os.WEXITSTATUS(status)}", os.WEXITSTATUS(status)
+
+
+def become_worker(role):
+    """Post-fork set-up of a worker: own process group, default signals, own trace pid."""
+    os.setpgid(0, 0)
+    signal.set_wakeup_fd(-1)
+    for fd in _wake_fds:
+        os.close(fd)
+    _wake_fds.clear()
+    signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    trace.after_fork(role)
+
+
+class WorkerProcess:
+    """A worker's channel to the server and its handle on the store."""
+
+    def __init__(self, sock_path, settings):
+        """Remember how to reach the server and the store."""
+        self.sock_path = sock_path
+        self.settings = settings
+        self.channel = None
+
+    def connect(self, role, **hello):
+        """Open this process's own channel to the server and introduce itself."""
+        self.channel = Channel.connect(self.sock_path)
+        self.channel.send(protocol.Hello(role=role, pid=os.getpid(), **hello))
+
+    def store(self):
+        """This process's handle on the store."""
+        s = self.settings
+        return Store.for_process(s["server.data_dir"], max_store_gb=s["store.max_store_gb"],
+                                 durability=s["store.durability"],
+                                 zstd_level=s["store.zstd_level"])
+
+    def reaper(self):
+        """Route SIGCHLD to a pipe so the select loop can reap children; returns its fd."""
+        r, w = os.pipe()
+        os.set_blocking(w, False)
+        _wake_fds[:] = [r, w]
+        signal.signal(signal.SIGCHLD, lambda *_: None)
+        signal.set_wakeup_fd(w)
+        return r
+
+    def reap(self, wake_fd):
+        """Report every exited child to the server."""
+        try:
+            os.read(wake_fd, 4096)
+        except BlockingIOError:
+            pass
+        while True:
+            try:
+                pid, status = os.waitpid(-1, os.WNOHANG)
+            except ChildProcessError:
+                return
+            if pid == 0:
+                return
+            text, code = status_text(status)
+            self.channel.send(protocol.Exited(pid=pid, text=text, code=code))

@@ -1,0 +1,74 @@
+"""The zygotes: the processes every holder is forked from.
+
+The server spawns one zygote (never forks: it is multi-threaded). That
+process forks, first thing, a second zygote that imports what cells
+commonly use and runs a throwaway cell before it connects (seconds);
+holders forked from it start warm, so their cells do not pay those imports
+again. Meanwhile the spawned one, cold, answers `Spawn` within milliseconds
+of start (a holder it forks imports what its cells import, as in a fresh
+Python), and later stays on as the reaper of its holders and the fallback
+should the warm one die.
+"""
+
+import gc
+import os
+import select
+import signal
+
+from kernel import protocol, trace
+from kernel.channel import ChannelClosed
+from kernel.worker import limits
+from kernel.worker.process import (PR_SET_CHILD_SUBREAPER, PR_SET_PDEATHSIG, WorkerProcess,
+                                   become_worker, fresh_main, prctl)
+
+
+def zygote_main(sock_path, settings):
+    """Entry point of the spawned zygote (and, after its first fork, of the warm one)."""
+    prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    prctl(PR_SET_CHILD_SUBREAPER, 1)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    os.environ["MPLBACKEND"] = "Agg"
+    trace.configure(settings, "zygote")
+    limits.init_zygote()
+    from kernel.worker import holder, runner  # every holder runs cells: imported once, here
+    runner.outputs.watch_imports()
+    warm = os.fork() == 0
+    if warm:
+        # Neither attribute survives a fork; the warm zygote dies with the cold one.
+        prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+        prctl(PR_SET_CHILD_SUBREAPER, 1)
+        trace.after_fork("zygote")
+        _warm(settings)
+    namespace = fresh_main()
+    proc = WorkerProcess(sock_path, settings)
+    proc.connect(protocol.ZYGOTE, warm=warm)
+    wake = proc.reaper()
+    while True:
+        ready, _, _ = select.select([proc.channel, wake], [], [])
+        if wake in ready:
+            proc.reap(wake)
+        if proc.channel not in ready:
+            continue
+        try:
+            msg = proc.channel.recv()
+        except ChannelClosed:
+            os._exit(0)
+        if isinstance(msg, protocol.Spawn):
+            gc.freeze()
+            if os.fork() == 0:
+                become_worker("holder")
+                proc.channel.close()
+                holder.StateHolder(sock_path, settings, namespace, msg.manifest).restore(msg.req)
+
+
+def _warm(settings):
+    """Import what cells commonly use and run a throwaway cell, once, before any fork."""
+    for name in ("numpy", "pandas", "matplotlib", "matplotlib.pyplot", "dill", "IPython"):
+        try:
+            __import__(name)
+        except Exception:
+            pass
+    from kernel.worker import runner
+    runner.outputs.warm()
+    runner.run_cell(runner.compile_cell("_w = [1]\n_w", 0), {"__builtins__": __builtins__}, 0,
+                    settings)
