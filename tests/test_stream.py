@@ -1,0 +1,74 @@
+"""Streamed answers: "stream": true on /execute and /multistate_execute (NDJSON)."""
+
+import json
+import time
+
+import requests
+
+
+def stream(server, path, body):
+    """POST with stream on; yields (seconds since the request, line) as lines arrive."""
+    start = time.monotonic()
+    with requests.post(server.url + path, params={"token": server.token},
+                       json=dict(body, stream=True), stream=True, timeout=120) as r:
+        assert r.status_code == 200, r.text
+        assert r.headers["Content-Type"].startswith("application/x-ndjson")
+        for raw in r.iter_lines():
+            if raw:
+                yield time.monotonic() - start, json.loads(raw)
+
+
+def test_first_output_arrives_before_the_cell_ends(server):
+    code = "import time\nprint('before', flush=True)\ntime.sleep(3)\nprint('after')\n'done'"
+    lines = list(stream(server, "/execute", {"code": code, "exec_id": "s1",
+                                            "state_name": "initial", "new_state_name": "st1"}))
+    (t_first, first), (t_last, last) = lines[0], lines[-1]
+    assert first == {"type": "output", "output": {"output_type": "stream", "name": "stdout",
+                                                  "text": "before\n"}}
+    assert t_last - t_first >= 2.5, lines  # the first line came before the sleep ended
+    assert last["type"] == "answer"
+    answer = last["answer"]
+    assert answer["state_name"] == "st1" and answer["error"] is None
+    # The answer still carries every output, merged as without streaming.
+    assert answer["output"][0]["text"] == "before\nafter\n"
+    assert answer["output"][1]["data"]["text/plain"] == "'done'"
+    items = [line["output"] for _, line in lines[:-1]]
+    assert [i["output_type"] for i in items] == ["stream", "stream", "execute_result"]
+    assert items[1]["text"] == "after\n"
+
+
+def test_display_updates_and_clears_are_streamed(server):
+    code = ("from IPython.display import display, clear_output\n"
+            "h = display('one', display_id=True)\n"
+            "h.update('two')\n"
+            "clear_output()\n"
+            "print('end')")
+    lines = [line for _, line in stream(server, "/multistate_execute", {
+        "code": code, "exec_id": "s2", "state_mapping": {}})]
+    kinds = [line["type"] if line["type"] != "output" else line["output"]["output_type"]
+             for line in lines]
+    assert kinds == ["display_data", "update_display_data", "clear_output", "stream",
+                     "answer"], lines
+    assert lines[1]["output"]["data"]["text/plain"] == "'two'"
+    assert lines[1]["output"]["transient"]["display_id"] == \
+        lines[0]["output"]["transient"]["display_id"]
+    assert lines[-1]["answer"]["output"] == [
+        {"output_type": "stream", "name": "stdout", "text": "end\n"}]
+
+
+def test_errors_before_the_cell_are_plain_json(server):
+    r = requests.post(server.url + "/execute", params={"token": server.token},
+                      json={"code": "1", "exec_id": 5.5, "state_name": "initial",
+                            "stream": True}, timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["type"] == "BadRequest"
+    lines = [line for _, line in stream(server, "/execute", {
+        "code": "1", "exec_id": "s3", "state_name": "no-such-state"})]
+    assert lines == [{"type": "answer", "answer": lines[0]["answer"]}]
+    assert lines[0]["answer"]["error"]["ename"] == "StateNotFound"
+
+
+def test_without_stream_nothing_changes(server):
+    r = server.post("/execute", {"code": "print(1)", "exec_id": "s4", "state_name": "initial",
+                                 "stream": False})
+    assert r.headers["Content-Type"] == "application/json"
+    assert r.json()["output"] == [{"output_type": "stream", "name": "stdout", "text": "1\n"}]
