@@ -47,8 +47,10 @@ class Registry:
             self.names[INITIAL] = manifest
 
     def close(self):
-        """Stop every worker process."""
+        """Stop every worker process; with durability = "async", flush the store to disk."""
         self.pool.close()
+        if self.settings["store.durability"] == "async":
+            self.store.sync()
 
     # Metadata ----------------------------------------------------------------
 
