@@ -116,7 +116,6 @@ def route(method, path, auth=True):
             """Answer one request."""
             if auth and not _token_ok():
                 return _error_response(401, "Unauthorized", "missing or invalid token")
-            trace.stamp("request")
             try:
                 result = handler(*args, **kwargs)
             except Exception as exc:
@@ -125,8 +124,9 @@ def route(method, path, auth=True):
                 return bottle.HTTPResponse(
                     status=200, headers={"Content-Type": "application/x-ndjson"},
                     body=(json.dumps(line) + "\n" for line in result.lines))
-            trace.stamp("reply")
-            return _json_response(200, result)
+            response = _json_response(200, result)
+            trace.stamp("reply", bottle.request.environ.get("snapk.exec_id"))
+            return response
         app.route(path, method, run)
         return run
     return wrap
@@ -160,6 +160,9 @@ def body(path):
     if not isinstance(data, dict):
         raise BadRequest("the body must be a JSON object")
     check_body(path, bottle.request.method, data)
+    if "exec_id" in data:
+        exec_id = bottle.request.environ["snapk.exec_id"] = str(data["exec_id"])
+        trace.stamp("request", exec_id)
     return data
 
 
@@ -171,6 +174,7 @@ def streamed(run):
     `{"type": "error", "error": {...}}` line.
     """
     events = queue.Queue()
+    exec_id = bottle.request.environ.get("snapk.exec_id")
 
     def work():
         """Run the request in a thread of its own, feeding `events`."""
@@ -195,7 +199,7 @@ def streamed(run):
                 return
             yield event
             if event.get("type") == "answer":
-                trace.stamp("reply")
+                trace.stamp("reply", exec_id)
                 return
             event = events.get()
 

@@ -48,8 +48,8 @@ class CellChild:
                 result = msg.failed(protocol.error(type(exc).__name__, str(exc),
                                                    traceback.format_exc().splitlines()))
             try:
+                trace.stamp("answering", msg.exec_id)
                 self.channel.send(result)
-                trace.stamp("answered", msg.exec_id)
                 if made is None:
                     os._exit(0)
                 self.state.manifest = made
