@@ -150,7 +150,7 @@ class Pickled:
         self.pickler = pickler
 
 
-def dumps(values, namespace, class_tag="", min_buffer=65536):
+def dumps(values, namespace, class_tag, min_buffer):
     """Serialize a list of values under one memo (sharing inside survives).
 
     Raises Unpicklable when neither the C pickler nor dill can do it.

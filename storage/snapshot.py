@@ -90,9 +90,9 @@ def _pickle_group(values, namespace, class_tag, settings, records, store):
     manifest stays one key per buffer however large the buffer.
     """
     pickled = serializer.dumps(values, namespace, class_tag,
-                               settings.get("store.buffer_blob_min_bytes", 65536))
+                               settings["store.buffer_blob_min_bytes"])
     key = _sha(pickled.payload)
-    pieces, layout = _chunks(pickled, settings.get("store.chunk_bytes", 2 ** 20))
+    pieces, layout = _chunks(pickled, settings["store.chunk_bytes"])
     blobs = {key: pickled.payload}
     blobs.update((k, piece) for piece, k in pieces)
     buffers, chunk_keys = [], iter([k for _, k in pieces])
@@ -120,7 +120,7 @@ def save_groups(store, manifest, namespace, dirty, settings, class_tag="", paren
     the parent's symbol hashes and reprs, which can cost more than the pickle.
     """
     before = {(g["fingerprint"], tuple(g["members"])): g for g in (parent or {}).get("groups", [])}
-    limit = settings.get("store.repr_max_chars", 200)
+    limit = settings["store.repr_max_chars"]
     records = {}
     values = {}
     for name in dirty:
@@ -174,8 +174,8 @@ def save_groups(store, manifest, namespace, dirty, settings, class_tag="", paren
 def _value_hash(value, namespace, class_tag, settings):
     """The symbol hash of one value on its own (for members of larger groups)."""
     pickled = serializer.dumps([value], namespace, class_tag,
-                               settings.get("store.buffer_blob_min_bytes", 65536))
-    pieces, layout = _chunks(pickled, settings.get("store.chunk_bytes", 2 ** 20))
+                               settings["store.buffer_blob_min_bytes"])
+    pieces, layout = _chunks(pickled, settings["store.chunk_bytes"])
     return _digest(pickled, _sha(pickled.payload), pieces, layout)
 
 

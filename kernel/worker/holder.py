@@ -163,7 +163,8 @@ class StateHolder(WorkerProcess):
         steps = (  # len(): an int result, which needs no IPython shell in a cold worker.
             lambda: run_cell(compile_cell("_w = [1.0, 'x']\nlen(_w)", 0), scratch, 0,
                              self.settings),
-            lambda: serializer.dumps([scratch.get("_w")], self.namespace))
+            lambda: serializer.dumps([scratch.get("_w")], self.namespace, "",
+                                     self.settings["store.buffer_blob_min_bytes"]))
         for step in steps:
             while not select.select([self.channel], [], [], WARM_AFTER_S)[0]:
                 if core_free():
