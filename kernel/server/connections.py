@@ -1,22 +1,27 @@
 """The server's end of the workers' channels.
 
 Every worker process connects to one Unix socket in a private folder and
-introduces itself (protocol.Hello). Each connection gets a reader thread:
-`Exited` and `Log` are handled here for every worker; whatever else a
-worker sends waits in its connection's queue for whoever talks to it (the
-pool while a holder restores, the supervisor while a child runs a request).
+introduces itself (protocol.Hello). A zygote's or holder's connection gets
+a reader thread: `Exited` and `Log` are handled here; whatever else it
+sends waits in the connection's queue (the pool reads a restored holder's
+`Ready` there). A spare child's connection has no reader thread: the
+request thread that runs a cell in it reads its messages itself
+(`WorkerConn.receive`), so an answer reaches the HTTP thread without a
+hand-over between threads.
 """
 
+import logging
 import os
 import queue
 import re
+import select
 import shutil
 import signal
 import socket
 import tempfile
 import threading
 import time
-import logging
+import weakref
 
 from kernel import protocol
 from kernel.channel import Channel, ChannelClosed
@@ -32,8 +37,32 @@ class WorkerConn:
         self.channel = channel
         self.hello = hello
         self.pid = hello.pid
-        self.messages = queue.Queue()  # what the worker sent; None once it is gone
+        self.messages = queue.Queue()  # what a read worker sent; None once it is gone
         self.alive = True
+
+    def receive(self, timeout):
+        """The next message of a worker without a reader thread; None once it is gone.
+
+        Raises TimeoutError if nothing arrived within `timeout` seconds.
+        """
+        try:
+            ready, _, _ = select.select([self.channel], [], [], timeout)
+            if ready:
+                return self.channel.recv()
+        except (ChannelClosed, EOFError, OSError, ValueError):
+            self.alive = False
+            return None
+        raise TimeoutError
+
+    def idle(self):
+        """True if an idle spare is still there: it sends nothing while idle, so
+        anything readable on its channel is the end of it."""
+        if self.alive:
+            try:
+                self.alive = not select.select([self.channel], [], [], 0)[0]
+            except (OSError, ValueError):
+                self.alive = False
+        return self.alive
 
     def send(self, msg):
         """Send a message; False if the worker is gone."""
@@ -73,7 +102,8 @@ class Connections:
         self.listener.bind(self.sock_path)
         self.listener.listen(256)
         self.lock = threading.Lock()
-        self.open = set()
+        self.open = set()  # connections with a reader thread
+        self.spares = weakref.WeakSet()  # the others, killed at close too
         self.exits = {}
         self.exit_cond = threading.Condition()
         self.closed = False
@@ -99,6 +129,11 @@ class Connections:
             channel.close()
             return
         conn = WorkerConn(channel, hello)
+        if hello.role == protocol.SPARE:
+            with self.lock:
+                self.spares.add(conn)
+            self.on_hello(conn)
+            return
         with self.lock:
             self.open.add(conn)
         self.on_hello(conn)
@@ -136,7 +171,7 @@ class Connections:
         """Kill every connected worker and remove the socket's folder."""
         self.closed = True
         with self.lock:
-            conns = list(self.open)
+            conns = list(self.open) + list(self.spares)
         for conn in conns:
             conn.kill()
         try:

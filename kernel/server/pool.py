@@ -318,10 +318,11 @@ class Pool:
                     raise WorkerError("WorkerStartFailed", "no child process arrived") from None
             else:
                 self._replace(live, child)
-            if child.alive:
+            if child.idle():
                 with self.lock:
                     self.cells += 1
                 return child
+            child.kill()
 
     def _replace(self, live, taken):
         """Ask for a spare in place of `taken`: now, or at the next quiet moment if

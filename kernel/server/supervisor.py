@@ -9,7 +9,6 @@ own is reported with how it ended; the state it ran from is untouched.
 """
 
 import os
-import queue
 import signal
 import threading
 import time
@@ -92,8 +91,8 @@ class Supervisor:
         """The child's result, or a failure saying how it was stopped or died."""
         while True:
             try:
-                msg = run.child.messages.get(timeout=0.25)
-            except queue.Empty:
+                msg = run.child.receive(timeout=0.25)
+            except TimeoutError:
                 self._watch(run)
                 continue
             if msg is None:
