@@ -20,6 +20,7 @@ import fcntl
 import hashlib
 import json
 import os
+import time
 
 import lmdb
 import xxhash
@@ -253,6 +254,30 @@ class Store:
                     freed += len(raw)
                     txn.delete(bytes.fromhex(key))
         return freed
+
+    def release_freed(self):
+        """Make the pages freed by the last write usable by the next one at once.
+
+        LMDB keeps the pages a transaction frees until a later transaction has
+        committed (the previous snapshot may still be read from them), so after
+        a clean-up that ends in one large delete, the next state could find the
+        store still full. A small write committed here is that later transaction.
+        """
+        with self._writing(), self.env.begin(db=self.meta, write=True) as txn:
+            txn.put(b"released", str(time.time_ns()).encode())
+
+    def space(self):
+        """Bytes of the data file in use by LMDB, of that free for new states, and
+        the room left under max_store_gb beyond it: {used, free, room}."""
+        meta = lmdbfile.current_meta(self.path)
+        with self.env.begin() as txn:
+            pages = sum(stat["branch_pages"] + stat["leaf_pages"] + stat["overflow_pages"]
+                        for stat in (txn.stat(db) for db in (self.meta, self.blobs, self.states)))
+        pages += 2 + meta.free_db_pages + meta.main_db_pages  # the two meta pages
+        file_pages = meta.last_page + 1
+        return {"used": file_pages * meta.page_size,
+                "free": max(file_pages - pages, 0) * meta.page_size,
+                "room": max(self.env.info()["map_size"] - file_pages * meta.page_size, 0)}
 
     def sync(self):
         """Flush to disk (used with durability = "async")."""
