@@ -168,24 +168,30 @@ def test_truncated_data_file_is_refused_without_a_crash(make_server, tmp_path, c
 
 
 def _fill(srv, limit=12):
-    """Add 4 MB states (incompressible) until the store is full: their names and sums."""
+    """Add 4 MB states (incompressible) until the store is full.
+
+    Returns {state: (variable, its checksum)}, the StoreFull message and the
+    code of the cell that did not fit.
+    """
     made = {}
     for i in range(limit):
-        r = srv.post("/execute", {
-            "code": f"import numpy as np\na{i} = np.random.default_rng({i}).integers("
-                    f"0, 2**62, 500_000)\nint(a{i}[::1000].sum())",
-            "exec_id": f"fill{i}", "state_name": "initial", "new_state_name": f"s{i}"})
+        code = (f"import numpy as np\na{i} = np.random.default_rng({i}).integers("
+                f"0, 2**62, 500_000)\nint(a{i}[::1000].sum())")
+        r = srv.post("/execute", {"code": code, "exec_id": f"fill{i}",
+                                  "state_name": "initial", "new_state_name": f"s{i}"})
         if r.status_code == 507:
             assert r.json()["error"]["type"] == "StoreFull", r.text
             assert f"s{i}" not in srv.get("/states").json()["states"]
-            return made, r.json()["error"]["message"]
+            assert len(made) >= 3
+            return made, r.json()["error"]["message"], code
         assert r.status_code == 200 and r.json()["error"] is None, r.text
         made[f"s{i}"] = (f"a{i}", r.json()["output"][0]["data"]["text/plain"])
     raise AssertionError(f"the store did not fill up with {limit} states")
 
 
-def _recover(make_server, data, config, made):
-    """Delete all states but one, gc, restart: 5 new 1 MB states must be stored at once.
+def _recover(make_server, data, config, made, failed):
+    """Delete all states but one, gc, restart: 5 new states must be stored at once,
+    the first of them the cell that did not fit (it needs the freed space).
 
     The server is stopped when this returns (so a file system can be unmounted).
     """
@@ -203,10 +209,10 @@ def _recover(make_server, data, config, made):
 
     again = make_server(data, config=config)
     for i in range(5):
-        r = again.post("/execute", {
-            "code": f"import numpy as np\nb = np.random.default_rng({100 + i})"
-                    f".integers(0, 2**62, 125_000)", "exec_id": f"after{i}",
-            "state_name": keep, "new_state_name": f"after{i}"})
+        code = failed if i == 0 else (f"import numpy as np\nb = np.random.default_rng("
+                                      f"{100 + i}).integers(0, 2**62, 125_000)")
+        r = again.post("/execute", {"code": code, "exec_id": f"after{i}",
+                                    "state_name": keep, "new_state_name": f"after{i}"})
         assert r.status_code == 200 and r.json()["error"] is None, (i, r.text)
     variable, total = made[keep]
     assert again.value(keep, f"int({variable}[::1000].sum())") == total
@@ -219,13 +225,13 @@ def test_full_store_answers_507_and_gc_makes_it_writable(make_server, tmp_path):
     data = tmp_path / "store"
     config = "[store]\nmax_store_gb = 0.02\n"
     srv = make_server(data, config=config)
-    made, message = _fill(srv)
+    made, message, failed = _fill(srv)
     assert "max_store_gb" in message
     # Nothing stored before is harmed.
     for name, (variable, total) in made.items():
         assert srv.value(name, f"int({variable}[::1000].sum())") == total
     srv.stop()
-    _recover(make_server, data, config, made)
+    _recover(make_server, data, config, made, failed)
 
 
 @pytest.fixture
@@ -245,9 +251,9 @@ def small_fs(tmp_path):
 def test_full_file_system_answers_507_and_gc_makes_it_writable(make_server, small_fs):
     data = small_fs / "store"
     srv = make_server(data)
-    made, message = _fill(srv)
+    made, message, failed = _fill(srv)
     assert "file system" in message and str(data) in message
     for name, (variable, total) in made.items():
         assert srv.value(name, f"int({variable}[::1000].sum())") == total
     srv.stop()
-    _recover(make_server, data, None, made)
+    _recover(make_server, data, None, made, failed)
