@@ -94,10 +94,12 @@ class Registry:
         if name == INITIAL:
             raise Conflict("the initial state cannot be deleted")
         manifest = self.manifest(name)
+        # The store first: on a full disk the delete can fail (507), and the name
+        # must then still be listed, as it is still stored.
+        self.store.delete_states([name])
         with self.lock:
             if self.names.get(name) is manifest:
                 del self.names[name]
-        self.store.delete_states([name])
         self.pool.retire(manifest["id"])
 
     def reset(self):
