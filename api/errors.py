@@ -7,7 +7,7 @@ error `{"error": {"type", "message"}}`.
 
 from kernel.errors import (Conflict, InvalidRequest, KernelError, RequestFailed,
                            StateNotFound)
-from storage.store import StoreError, StoreFull
+from storage.store import StoreCorrupt, StoreError, StoreFull
 
 
 class BadRequest(Exception):
@@ -28,6 +28,8 @@ _STATUSES = (
     (RequestFailed, 500, None),
     (KernelError, 500, None),
     (StoreFull, 507, "StoreFull"),
+    # Damaged bytes on disk: the server's data is wrong, not the request.
+    (StoreCorrupt, 500, "StoreCorrupt"),
     (StoreError, 503, "StoreUnavailable"),
 )
 

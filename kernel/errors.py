@@ -3,7 +3,7 @@
 Each error has a `etype`, the `type` of the JSON error the HTTP layer
 answers with; which HTTP status each one gets is the HTTP layer's business
 (api/errors.py). The store's own errors (storage.store.StoreError,
-StoreFull) travel the same way.
+StoreFull, StoreCorrupt) travel the same way.
 """
 
 

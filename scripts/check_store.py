@@ -5,17 +5,20 @@ store is opened read-only, and LMDB lets readers work beside the writer):
 
     python scripts/check_store.py [--data-dir DIR]
 
-For every state it checks that the manifest parses and that each blob its
-alias groups refer to (payload and out-of-band buffers) is in the store.
-Every blob in the store is then decompressed and hashed: its SHA-256 must
-equal its key. A corrupt blob is an error even when no state refers to it,
+It first checks that `data.mdb` holds every page its last transaction
+uses (a file cut short is reported, not mapped: mapping it would crash
+with SIGBUS). For every state it checks that the manifest parses and that
+each blob its alias groups refer to (payload and out-of-band buffers) is in
+the store. Every blob in the store is then read as the server reads it
+(its checksum verified, decompressed) and hashed: its SHA-256 must equal
+its key. A corrupt blob is an error even when no state refers to it,
 because blobs are content-addressed and written once: a later state with
 the same value would reuse the damaged copy. Blobs no state refers to are
 reported as information (scripts/gc_states.py removes them).
 
 Exit status: 0 the store is sound, 1 problems were found (each printed as
-state, group members, blob key, problem) or the store cannot be opened,
-2 bad arguments or no store at that path.
+state, group members, blob key, problem) or the store cannot be opened
+(a truncated file among them), 2 bad arguments or no store at that path.
 """
 
 import os
@@ -67,13 +70,11 @@ def read_snapshot(store):
 
 
 def blob_problem(store, key):
-    """None if blob `key` (hex) is present and hashes to its key, else what is wrong."""
-    try:
-        data = store.blob(key)
-    except StoreError:
-        return "missing from the store"
-    except Exception as exc:  # zstd errors and the like: the record is damaged
-        return f"cannot be decompressed ({type(exc).__name__}: {exc})"
+    """None if blob `key` (hex) is present, passes its checksum and hashes to its key,
+    else what is wrong."""
+    problem, data = store.read_blob(key)
+    if problem:
+        return problem
     digest = hashlib.sha256(data).hexdigest()
     if digest != key:
         return f"corrupt: its content hashes to {digest}"

@@ -22,8 +22,10 @@ How the rules combine:
 
 Manifests go first, then the unreferenced blobs, each in one transaction,
 so an interruption leaves at worst blobs that the next run removes. LMDB
-reuses freed pages but never shrinks its file; --compact writes a compacted
-copy and swaps it in. Exit status: 0 done, 1 the store cannot be used,
+reuses freed pages but never shrinks its file; the script commits one more
+small write after the deletes, so the very next state can reuse them (a
+full store is writable again at once), and reports the space free for new
+states. --compact writes a compacted copy and swaps it in. Exit status: 0 done, 1 the store cannot be used,
 2 bad arguments or a server is running on the store.
 """
 
@@ -243,6 +245,12 @@ def compact(store, data_dir):
     Store(path, readonly=True).env.close()
 
 
+def free_on_disk(data_dir):
+    """Bytes free on the file system holding the store."""
+    st = os.statvfs(data_dir)
+    return st.f_bavail * st.f_frsize
+
+
 def file_size(data_dir):
     """Size of the LMDB data file in bytes."""
     return os.path.getsize(os.path.join(data_dir, DATA_FILE))
@@ -298,8 +306,15 @@ def _collect(store, data_dir, args, out):
         # Manifests first: a crash in between leaves only unreferenced blobs.
         store.delete_states(doomed)
         freed = store.delete_blobs(orphans)
+        # Without this, a full store would stay full for the next state.
+        store.release_freed()
     out(f"{verb} {len(orphans)} blob(s), freeing {human(freed)} of blob data")
     out(f"{len(kept)} state(s) and {len(referenced)} blob(s) remain")
+    if not args.dry_run:
+        space = store.space()
+        out(f"free for new states: {human(space['free'])} inside {DATA_FILE} (usable at "
+            f"once), and up to {human(space['room'])} more as the file grows to "
+            f"max_store_gb ({human(free_on_disk(data_dir))} free on its file system)")
     if args.compact:
         before = file_size(data_dir)
         if args.dry_run:

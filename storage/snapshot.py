@@ -15,7 +15,7 @@ import uuid
 
 from storage import pages, serializer
 from storage.groups import alias_groups
-from storage.store import StoreError
+from storage.store import StoreCorrupt
 
 PYTHON = f"{sys.implementation.name}-{sys.version_info[0]}.{sys.version_info[1]}"
 
@@ -222,12 +222,26 @@ def check_compatible(manifest):
             f"the server with {manifest['python']} or re-run the notebook from 'initial'")
 
 
-def load_group(store, group, namespace):
-    """Load one group's members into `namespace` (functions bound to it)."""
-    payload = store.blob(group["key"])
-    layout = group.get("layout") or [1] * len(group["buffers"])
-    buffers = [_assemble(store, [key] if count == 1 else store.chunk_list(key))
-               for key, count in zip(group["buffers"], layout)]
+def load_group(store, group, namespace, state):
+    """Load one group's members into `namespace` (functions bound to it).
+
+    Every blob is verified before it is unpickled; a damaged or missing one
+    raises StoreCorrupt naming `state` and the group's variables, and leaves
+    the namespace as it was.
+    """
+    try:
+        payload = store.blob(group["key"])
+        layout = group.get("layout") or [1] * len(group["buffers"])
+        buffers = [_assemble(store, [key] if count == 1 else store.chunk_list(key))
+                   for key, count in zip(group["buffers"], layout)]
+    except StoreCorrupt as exc:
+        raise StoreCorrupt(
+            f"state {state!r} cannot be loaded: the stored value of "
+            f"{', '.join(group['members'])} is damaged ({exc}). The state's other variables "
+            f"and the other states are not affected. Run scripts/check_store.py to list "
+            f"every state that holds this value; delete those states and run "
+            f"scripts/gc_states.py before making the value again (until then a new state "
+            f"with an equal value reuses the damaged copy)") from None
     with serializer.loading_into(namespace):
         values = serializer.loads(payload, buffers, group["pickler"])
     namespace.update(zip(group["members"], values))
@@ -252,8 +266,7 @@ def _assemble(store, keys):
     for i, key in enumerate(keys[1:-1], 1):
         part = store.blob(key)
         if len(part) != chunk:
-            raise StoreError(f"chunk {key} of a buffer has {len(part)} bytes, not {chunk}; "
-                             f"run scripts/check_store.py")
+            raise StoreCorrupt(f"chunk {key} of a buffer has {len(part)} bytes, not {chunk}")
         view[i * chunk:(i + 1) * chunk] = part
     view[len(view) - len(last):] = last
     pages.remember(view, keys, chunk)

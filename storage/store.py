@@ -6,17 +6,36 @@ pays) and `states` (name -> JSON manifest). A state is written in one
 transaction, blobs before its manifest, so a crash leaves all of it or
 none. Any process may open the store, but an LMDB handle must not be used
 across a fork: `Store.for_process` hands each process its own.
+
+Every blob is verified as it is read, so damaged bytes on disk become a
+StoreCorrupt error instead of wrong values in a namespace. A blob carries
+a checksum that costs a fraction of reading it: a compressed one zstd's
+frame checksum (XXH64 of the content, checked by the decompressor), a raw
+one an XXH3-64 digest before its bytes. Blobs of format 1 stores have
+neither and are checked against their key, a SHA-256 (about 1 ms a MiB).
 """
 
+import contextlib
 import fcntl
+import hashlib
 import json
 import os
+import time
 
 import lmdb
+import xxhash
 import zstandard
 
-FORMAT_VERSION = 1
-_RAW, _ZSTD = b"R", b"Z"
+from storage import lmdbfile
+
+# Format 2 added blob checksums; format 1 stores are read and upgraded in place
+# (their blobs stay as they are, verified by their keys).
+FORMAT_VERSION = 2
+_READABLE_FORMATS = (b"1", b"2")
+# Record flags: zstd frame (with a checksum since format 2); raw after an XXH3-64
+# digest; raw without checksum (format 1).
+_ZSTD, _RAW_XXH, _RAW = b"Z", b"H", b"R"
+_XXH_BYTES = 8
 
 
 def encode_manifest(manifest):
@@ -36,8 +55,13 @@ class StoreError(Exception):
     """The store cannot be used; the message names the path and what to do."""
 
 
-class StoreFull(Exception):
-    """The store reached max_store_gb; nothing already stored is harmed."""
+class StoreFull(StoreError):
+    """The store reached max_store_gb, or its file system is full; nothing
+    already stored is harmed."""
+
+
+class StoreCorrupt(StoreError):
+    """Stored bytes failed verification (or are missing): the data on disk was damaged."""
 
 
 class Store:
@@ -50,11 +74,13 @@ class Store:
         """Open (creating if needed) the store at `path`; refuse a foreign one."""
         self.path = path
         self.readonly = readonly
-        self.compressor = zstandard.ZstdCompressor(level=zstd_level)
+        self.max_store_gb = max_store_gb
+        self.compressor = zstandard.ZstdCompressor(level=zstd_level, write_checksum=True)
         sync = durability == "sync"
         try:
             if not readonly:
                 os.makedirs(path, exist_ok=True)
+            check_data_file(path)
             self.env = lmdb.open(path, map_size=int(max_store_gb * 2 ** 30), max_dbs=4,
                                  sync=sync, metasync=sync, readonly=readonly,
                                  readahead=False, create=not readonly, lock=True)
@@ -90,23 +116,48 @@ class Store:
         return store
 
     def _check_format(self):
-        """Write the format record of a new store; refuse one of another format."""
+        """Write the format record of a new store, upgrade a format 1 one; refuse
+        one of another format."""
+        current = str(FORMAT_VERSION).encode()
         with self.env.begin(db=self.meta) as txn:
             found = txn.get(b"format")
-        if found is None:
-            if self.readonly:
-                raise StoreError(f"{self.path} holds no snapshot-kernel store")
-            # Only a new store takes the write lock here: every worker opens the store.
-            with self.env.begin(db=self.meta, write=True) as txn:
+        if found is None and self.readonly:
+            raise StoreError(f"{self.path} holds no snapshot-kernel store")
+        if found in (None, *_READABLE_FORMATS) and found != current and not self.readonly:
+            # Only a new or older store takes the write lock here: every worker opens
+            # the store. Format 2 blobs must not reach a format 1 server, which would
+            # take their checksums for data: it refuses the store by this record.
+            with self._writing(), self.env.begin(db=self.meta, write=True) as txn:
                 found = txn.get(b"format")
-                if found is None:
-                    txn.put(b"format", str(FORMAT_VERSION).encode())
-                    found = str(FORMAT_VERSION).encode()
-        if found != str(FORMAT_VERSION).encode():
+                if found in (None, *_READABLE_FORMATS):
+                    txn.put(b"format", current)
+                    found = current
+        if found not in _READABLE_FORMATS:
             raise StoreError(
                 f"the store at {self.path} has format {found.decode(errors='replace')}, "
-                f"this server reads format {FORMAT_VERSION}; use a server of that "
-                f"version or point --data-dir at another folder")
+                f"this server reads formats {b', '.join(_READABLE_FORMATS).decode()}; use "
+                f"a server of that version or point --data-dir at another folder")
+
+    @contextlib.contextmanager
+    def _writing(self, size=0):
+        """Turn LMDB's write failures into StoreFull (map or file system full) or
+        StoreError; `size`: bytes the write adds, to tell a full disk from a bad one."""
+        try:
+            yield
+        except lmdb.MapFullError:
+            raise StoreFull(f"the store at {self.path} is full (max_store_gb = "
+                            f"{self.max_store_gb}); delete states and run "
+                            f"scripts/gc_states.py, or raise the limit") from None
+        except lmdb.Error as exc:
+            # A full file system shows as ENOSPC, or as EIO when LMDB's write came short.
+            free = _free_bytes(self.path)
+            if isinstance(exc, lmdb.DiskError) or free is not None and free < size + 2 ** 20:
+                raise StoreFull(
+                    f"the file system holding the store at {self.path} is full ({free} "
+                    f"bytes free; {exc}); nothing stored before is harmed. Free space there, "
+                    f"or delete states and run scripts/gc_states.py") from None
+            raise StoreError(f"writing to the store at {self.path} failed: {exc}; "
+                             f"run scripts/check_store.py") from None
 
     # Manifests ---------------------------------------------------------------
 
@@ -123,13 +174,13 @@ class Store:
 
     def delete_states(self, names):
         """Remove manifests (their blobs stay until garbage collection)."""
-        with self.env.begin(db=self.states, write=True) as txn:
+        with self._writing(), self.env.begin(db=self.states, write=True) as txn:
             for name in names:
                 txn.delete(name.encode())
 
     def clear(self):
         """Remove every state and blob."""
-        with self.env.begin(write=True) as txn:
+        with self._writing(), self.env.begin(write=True) as txn:
             txn.drop(self.states, delete=False)
             txn.drop(self.blobs, delete=False)
 
@@ -146,31 +197,33 @@ class Store:
         packed = self.compressor.compress(data)
         if len(packed) < 0.95 * len(data):
             return _ZSTD + packed
-        return _RAW + bytes(data)
+        return _RAW_XXH + xxhash.xxh3_64_digest(data) + bytes(data)
 
     def blob(self, key):
-        """The uncompressed payload of blob `key`, as a writable bytearray."""
+        """The verified, uncompressed payload of blob `key`, as a writable bytearray.
+
+        Raises StoreCorrupt when the blob is missing or fails its checksum.
+        """
+        problem, data = self.read_blob(key)
+        if problem:
+            raise StoreCorrupt(f"blob {key} in the store at {self.path} is {problem}")
+        return data
+
+    def read_blob(self, key):
+        """(None, verified payload) of blob `key`, or (what is wrong with it, None)."""
         with self.env.begin(db=self.blobs, buffers=True) as txn:
             raw = txn.get(bytes.fromhex(key))
             if raw is None:
-                raise StoreError(f"blob {key} is missing from the store at {self.path}; "
-                                 f"run scripts/check_store.py")
-            flag, body = bytes(raw[:1]), raw[1:]
-            if flag == _RAW:
-                return bytearray(body)
-            return bytearray(zstandard.ZstdDecompressor().decompress(
-                body, max_output_size=2 ** 40))
+                return "missing from the store", None
+            return _decode(bytes(raw[:1]), raw[1:], key)
 
     def put_state(self, name, manifest, records):
         """Write `records` ({key: encoded blob}) then the manifest, atomically."""
-        try:
-            with self.env.begin(write=True) as txn:
-                for key, record in records.items():
-                    txn.put(bytes.fromhex(key), record, db=self.blobs, overwrite=False)
-                txn.put(name.encode(), encode_manifest(manifest), db=self.states)
-        except lmdb.MapFullError:
-            raise StoreFull(f"the store at {self.path} is full (max_store_gb); delete "
-                            f"states and run scripts/gc_states.py, or raise the limit") from None
+        size = sum(len(r) for r in records.values())
+        with self._writing(size), self.env.begin(write=True) as txn:
+            for key, record in records.items():
+                txn.put(bytes.fromhex(key), record, db=self.blobs, overwrite=False)
+            txn.put(name.encode(), encode_manifest(manifest), db=self.states)
 
     def chunk_list(self, key):
         """The chunk keys (hex) listed by chunk-list blob `key`."""
@@ -194,7 +247,7 @@ class Store:
     def delete_blobs(self, keys):
         """Remove blobs; returns the bytes freed (as stored)."""
         freed = 0
-        with self.env.begin(db=self.blobs, write=True, buffers=True) as txn:
+        with self._writing(), self.env.begin(db=self.blobs, write=True, buffers=True) as txn:
             for key in keys:
                 raw = txn.get(bytes.fromhex(key))
                 if raw is not None:
@@ -202,9 +255,81 @@ class Store:
                     txn.delete(bytes.fromhex(key))
         return freed
 
+    def release_freed(self):
+        """Make the pages freed by the last write usable by the next one at once.
+
+        LMDB keeps the pages a transaction frees until a later transaction has
+        committed (the previous snapshot may still be read from them), so after
+        a clean-up that ends in one large delete, the next state could find the
+        store still full. A small write committed here is that later transaction.
+        """
+        with self._writing(), self.env.begin(db=self.meta, write=True) as txn:
+            txn.put(b"released", str(time.time_ns()).encode())
+
+    def space(self):
+        """Bytes of the data file in use by LMDB, of that free for new states, and
+        the room left under max_store_gb beyond it: {used, free, room}."""
+        meta = lmdbfile.current_meta(self.path)
+        with self.env.begin() as txn:
+            pages = sum(stat["branch_pages"] + stat["leaf_pages"] + stat["overflow_pages"]
+                        for stat in (txn.stat(db) for db in (self.meta, self.blobs, self.states)))
+        pages += 2 + meta.free_db_pages + meta.main_db_pages  # the two meta pages
+        file_pages = meta.last_page + 1
+        return {"used": file_pages * meta.page_size,
+                "free": max(file_pages - pages, 0) * meta.page_size,
+                "room": max(self.env.info()["map_size"] - file_pages * meta.page_size, 0)}
+
     def sync(self):
         """Flush to disk (used with durability = "async")."""
         self.env.sync(True)
+
+
+def _decode(flag, body, key):
+    """(problem or None, payload as a bytearray) of a blob record's flag and body."""
+    if flag == _RAW_XXH:
+        data = bytearray(body[_XXH_BYTES:])
+        if xxhash.xxh3_64_digest(data) != bytes(body[:_XXH_BYTES]):
+            return "corrupt: its bytes do not match their XXH3 checksum", None
+        return None, data
+    if flag == _ZSTD:
+        try:
+            checked = zstandard.get_frame_parameters(body).has_checksum
+            data = bytearray(zstandard.ZstdDecompressor().decompress(
+                body, max_output_size=2 ** 40))
+        except zstandard.ZstdError as exc:
+            return f"corrupt: zstd cannot decompress it ({exc})", None
+        if checked:
+            return None, data
+    elif flag == _RAW:
+        data = bytearray(body)
+    else:
+        return f"corrupt: unknown record type {flag!r}", None
+    # A format 1 blob has no checksum: its key is the SHA-256 of its payload.
+    if hashlib.sha256(data).hexdigest() != key:
+        return "corrupt: its content does not hash to its key", None
+    return None, data
+
+
+def _free_bytes(path):
+    """Bytes an unprivileged writer may still use on the file system of `path`."""
+    try:
+        st = os.statvfs(path)
+    except OSError:
+        return None
+    return st.f_bavail * st.f_frsize
+
+
+def check_data_file(path):
+    """Refuse (StoreError) an LMDB file that lacks pages it uses, before LMDB maps it."""
+    try:
+        lmdbfile.current_meta(path)
+    except lmdbfile.Truncated as exc:
+        raise StoreError(
+            f"the store at {path} is damaged: {exc}. Mapping it would crash this process "
+            f"(SIGBUS), so it is not opened. Restore {lmdbfile.DATA_FILE} from a backup, "
+            f"or move the folder aside and start with an empty store") from None
+    except OSError as exc:
+        raise StoreError(f"cannot read the store at {path}: {exc}") from None
 
 
 def referenced_blobs(manifest):

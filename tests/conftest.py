@@ -113,6 +113,13 @@ class Server:
         self.log.close()
 
 
+def run_script(script, data_dir, *args):
+    """Run scripts/<script> on `data_dir`; the CompletedProcess (text output)."""
+    return subprocess.run([sys.executable, os.path.join("scripts", script),
+                           "--data-dir", str(data_dir), *args],
+                          cwd=ROOT, capture_output=True, text=True, timeout=60)
+
+
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     """One server per test module, on its own store."""

@@ -11,23 +11,14 @@ import hashlib
 import json
 import os
 import shutil
-import subprocess
-import sys
 
 import lmdb
 import pytest
 
-from conftest import ROOT, Server
+from conftest import Server, run_script
 from storage.store import Store, decode_manifest
 
 SHARED_SUM = sum(range(50000))
-
-
-def run_script(script, data_dir, *args):
-    """Run scripts/<script> on `data_dir`; the CompletedProcess (text output)."""
-    return subprocess.run([sys.executable, os.path.join("scripts", script),
-                           "--data-dir", str(data_dir), *args],
-                          cwd=ROOT, capture_output=True, text=True, timeout=60)
 
 
 def gc(data_dir, *args):

@@ -15,7 +15,7 @@ from kernel.protocol import ExecuteAnswer
 from kernel.server.pool import Pool
 from kernel.server.supervisor import Supervisor
 from storage import snapshot
-from storage.store import Store, StoreFull
+from storage.store import Store, StoreCorrupt, StoreFull
 
 INITIAL = "initial"
 
@@ -94,10 +94,12 @@ class Registry:
         if name == INITIAL:
             raise Conflict("the initial state cannot be deleted")
         manifest = self.manifest(name)
+        # The store first: on a full disk the delete can fail (507), and the name
+        # must then still be listed, as it is still stored.
+        self.store.delete_states([name])
         with self.lock:
             if self.names.get(name) is manifest:
                 del self.names[name]
-        self.store.delete_states([name])
         self.pool.retire(manifest["id"])
 
     def reset(self):
@@ -127,8 +129,7 @@ class Registry:
                                    stream=on_output is not None)
         result, child = self.supervisor.run(manifest, request, on_output)
         answer = result.answer
-        if answer.error and answer.error["ename"] == "StoreFull":
-            raise StoreFull(answer.error["evalue"])
+        _raise_store_error(answer.error)
         if result.manifest is not None and not self._bind(result.manifest, child, generation):
             answer.state_name = None
             answer.error = protocol.error(
@@ -151,6 +152,7 @@ class Registry:
         request = protocol.Multistate(code=code, aliases=aliases, exec_id=_key(exec_id),
                                       stream=on_output is not None)
         result, _ = self.supervisor.run(base, request, on_output)
+        _raise_store_error(result.answer.error)
         return result.answer
 
     def rebuild(self, input_state, source_state, source_vars, input_vars, new_name=None):
@@ -165,10 +167,8 @@ class Registry:
                                    auto_named=new_name is None)
         result, child = self.supervisor.run(base, request)
         if result.error:
-            err = result.error
-            if err["ename"] == "StoreFull":
-                raise StoreFull(err["evalue"])
-            raise RequestFailed(err["evalue"], etype=err["ename"])
+            _raise_store_error(result.error)
+            raise RequestFailed(result.error["evalue"], etype=result.error["ename"])
         if not self._bind(result.manifest, child, generation):
             raise Conflict("the store was reset while the state was rebuilt; it was not kept")
         return dict(state_name=request.new_name, **_groups_of(result.manifest))
@@ -194,6 +194,15 @@ class Registry:
         if old is not None and old["id"] != manifest["id"]:
             self.pool.retire(old["id"])
         return True
+
+
+def _raise_store_error(error):
+    """Raise the store failure a worker reported (full, or damaged bytes met while
+    loading) as the store's own exception, which the HTTP layer maps to a status."""
+    if error and error["ename"] == "StoreFull":
+        raise StoreFull(error["evalue"])
+    if error and error["ename"] == "StoreCorrupt":
+        raise StoreCorrupt(error["evalue"])
 
 
 def _key(exec_id):

@@ -20,7 +20,7 @@ from kernel.protocol import ExecuteAnswer
 from kernel.worker import limits, reads, replay, runner
 from kernel.worker.process import become_worker, user_names
 from storage import snapshot
-from storage.store import StoreError, StoreFull
+from storage.store import StoreError
 
 
 class CellChild:
@@ -114,7 +114,7 @@ class CellChild:
             touched |= names_before | after
         try:
             manifest = self.save(msg, count, touched, after)
-        except (StoreFull, StoreError) as exc:
+        except StoreError as exc:  # StoreFull among them: the server answers 507
             answer.error = protocol.error(type(exc).__name__, str(exc), [])
             return None, protocol.CellResult(answer)
         trace.stamp("saved", msg.exec_id)
@@ -181,7 +181,7 @@ class CellChild:
             snapshot.check_compatible(manifest)
             snapshot.load_modules(manifest, scope)
             for group in manifest["groups"]:
-                snapshot.load_group(state.store(), group, scope)
+                snapshot.load_group(state.store(), group, scope, manifest["name"])
             replay.volatile(manifest, scope, state.settings)
             scope.pop("__builtins__")
             namespace[alias] = types.SimpleNamespace(**scope)
@@ -228,7 +228,7 @@ class CellChild:
                      if not wanted.isdisjoint(g["members"]) and g not in whole]
             for group in split:
                 if group in origin_unloaded or origin is source:
-                    self.load_split(group, wanted)
+                    self.load_split(group, wanted, origin["name"])
                 dirty |= wanted & set(group["members"])
             unloaded += [g for g in whole if g in origin_unloaded or origin is source]
             modules = [n for n in origin["modules"] if n in wanted]
@@ -248,12 +248,13 @@ class CellChild:
         state.unloaded_groups = unloaded
         return manifest, protocol.RebuildResult(manifest)
 
-    def load_split(self, group, wanted):
-        """Load a group but keep only its `wanted` members; others keep their values."""
+    def load_split(self, group, wanted, state_name):
+        """Load a group of state `state_name` but keep only its `wanted` members; others
+        keep their values."""
         namespace = self.state.namespace
         saved = {m: namespace[m] for m in group["members"]
                  if m not in wanted and m in namespace}
-        snapshot.load_group(self.state.store(), group, namespace)
+        snapshot.load_group(self.state.store(), group, namespace, state_name)
         for m in group["members"]:
             if m not in wanted:
                 if m in saved:

@@ -55,7 +55,8 @@ class StateHolder(WorkerProcess):
         keep = []
         for group in self.unloaded_groups:
             if names is None or not names.isdisjoint(group["members"]):
-                snapshot.load_group(self.store(), group, self.namespace)
+                snapshot.load_group(self.store(), group, self.namespace,
+                                    self.manifest["name"])
             else:
                 keep.append(group)
         self.unloaded_groups = keep
@@ -76,7 +77,8 @@ class StateHolder(WorkerProcess):
         """Load one unloaded group between messages; on failure leave it to the cells."""
         try:
             if self.unloaded_groups:
-                snapshot.load_group(self.store(), self.unloaded_groups[0], self.namespace)
+                snapshot.load_group(self.store(), self.unloaded_groups[0], self.namespace,
+                                    self.manifest["name"])
                 self.unloaded_groups.pop(0)
             elif self.unloaded_volatile:
                 self.load(set(self.unloaded_volatile))
