@@ -7,6 +7,7 @@ error `{"error": {"type", "message"}}`.
 
 from kernel.errors import (Conflict, InvalidRequest, KernelError, RequestFailed,
                            StateNotFound)
+from storage.remote import NameConflict, RemoteUnavailable
 from storage.store import StoreCorrupt, StoreError, StoreFull
 
 
@@ -30,6 +31,8 @@ _STATUSES = (
     (StoreFull, 507, "StoreFull"),
     # Damaged bytes on disk: the server's data is wrong, not the request.
     (StoreCorrupt, 500, "StoreCorrupt"),
+    (NameConflict, 409, "NameConflict"),  # rebound on the shared remote meanwhile
+    (RemoteUnavailable, 503, "RemoteUnavailable"),
     (StoreError, 503, "StoreUnavailable"),
 )
 

@@ -52,6 +52,8 @@ def load(path=None, overrides=None):
             flat[key] = value
     if flat["store.durability"] not in ("sync", "async"):
         raise ConfigError("store.durability must be 'sync' or 'async'")
+    if flat["store.remote"]:
+        _check_remote(flat)
     if flat["workers.spare_after_quiet_s"] < 0:
         raise ConfigError("workers.spare_after_quiet_s must be 0 or more")
     if flat["display.figure_format"] not in ("png", "svg", "retina"):
@@ -61,3 +63,21 @@ def load(path=None, overrides=None):
         base = os.path.dirname(os.path.abspath(path)) if path else ROOT
         flat["server.data_dir"] = os.path.join(base, data_dir)
     return flat
+
+
+def _check_remote(flat):
+    """Refuse remote settings that cannot work (before any server or worker starts)."""
+    from storage.remote import RemoteError, parse_url
+    try:
+        parse_url(flat["store.remote"])
+    except RemoteError as exc:
+        raise ConfigError(str(exc)) from None
+    if not 0 < flat["store.cache_gb"] < flat["store.max_store_gb"]:
+        raise ConfigError("store.cache_gb must be more than 0 and less than max_store_gb")
+    for key in ("remote_timeout_s", "remote_refresh_s", "remote_retry_s",
+                "remote_grace_hours"):
+        if flat[f"store.{key}"] < 0:
+            raise ConfigError(f"store.{key} must be 0 or more")
+    for key in ("remote_attempts", "remote_parallel"):
+        if flat[f"store.{key}"] < 1:
+            raise ConfigError(f"store.{key} must be 1 or more")

@@ -310,6 +310,13 @@ def _decode(flag, body, key):
     return None, data
 
 
+def decode_record(record, key):
+    """(problem or None, verified payload) of blob record `record` (a remote keeps the
+    same records as LMDB)."""
+    record = bytes(record)
+    return _decode(record[:1], record[1:], key)
+
+
 def _free_bytes(path):
     """Bytes an unprivileged writer may still use on the file system of `path`."""
     try:

@@ -15,7 +15,10 @@ from kernel.protocol import ExecuteAnswer
 from kernel.server.pool import Pool
 from kernel.server.supervisor import Supervisor
 from storage import snapshot
-from storage.store import Store, StoreCorrupt, StoreFull
+from storage.cache import open_store
+from storage.publisher import Publisher
+from storage.remote import NameConflict, RemoteUnavailable
+from storage.store import StoreCorrupt, StoreFull
 
 INITIAL = "initial"
 
@@ -27,10 +30,11 @@ class Registry:
         """Open the store, load the manifests, start the worker pool."""
         self.settings = settings
         trace.configure(settings, "server")
-        self.store = Store.for_process(settings["server.data_dir"],
-                                       max_store_gb=settings["store.max_store_gb"],
-                                       durability=settings["store.durability"],
-                                       zstd_level=settings["store.zstd_level"])
+        self.store = open_store(settings)
+        # With store.remote: the names other servers bind, and this one's queued uploads.
+        self.shared = Publisher(self.store, settings) if settings["store.remote"] else None
+        if self.shared:
+            self.shared.start()
         self.lock = threading.RLock()
         self.names = self.store.manifests()
         self._ensure_initial()
@@ -56,14 +60,39 @@ class Registry:
 
     def manifest(self, name):
         """The manifest of `name`; StateNotFound if there is none."""
-        with self.lock:
-            manifest = self.names.get(name)
+        manifest = self._lookup(name)
         if manifest is None:
             raise StateNotFound(f"no state named {name!r}")
         return manifest
 
+    def _lookup(self, name):
+        """The manifest of `name`, or None; with a remote, its current binding there."""
+        self._refresh()
+        with self.lock:
+            manifest = self.names.get(name)
+        if manifest is None and self.shared:
+            self._refresh(name)
+            with self.lock:
+                manifest = self.names.get(name)
+        return manifest
+
+    def _refresh(self, name=None):
+        """Take in the names other servers bound, rebound or deleted on the remote."""
+        changes = self.shared.changes(name) if self.shared else {}
+        retired = []
+        with self.lock:
+            for changed, manifest in changes.items():
+                old = self.names.pop(changed, None)
+                if manifest is not None:
+                    self.names[changed] = manifest
+                if old is not None and (manifest is None or old["id"] != manifest["id"]):
+                    retired.append(old["id"])
+        for state_id in retired:
+            self.pool.retire(state_id)
+
     def list_states(self):
         """Every state name, oldest first."""
+        self._refresh()
         with self.lock:
             items = list(self.names.items())
         return [n for n, _ in sorted(items, key=lambda kv: kv[1]["created"])]
@@ -94,6 +123,12 @@ class Registry:
         if name == INITIAL:
             raise Conflict("the initial state cannot be deleted")
         manifest = self.manifest(name)
+        if self.shared:
+            try:
+                self.shared.delete(name)
+            except NameConflict:
+                self._refresh(name)
+                raise
         # The store first: on a full disk the delete can fail (507), and the name
         # must then still be listed, as it is still stored.
         self.store.delete_states([name])
@@ -104,6 +139,10 @@ class Registry:
 
     def reset(self):
         """Drop every state and blob; only an empty `initial` remains."""
+        if self.shared:
+            raise Conflict("the store is shared with other servers (store.remote): reset "
+                           "would delete their states too. Delete states by name, or use "
+                           "scripts/gc_states.py --remote")
         with self.lock:
             self.generation += 1
             self.pool.reset()
@@ -119,8 +158,8 @@ class Registry:
         Returns the ExecuteAnswer; `on_output(item)` receives the outputs as
         the cell produces them (the NDJSON lines of a streamed answer).
         """
+        manifest = self._lookup(state_name)
         with self.lock:
-            manifest = self.names.get(state_name)
             generation = self.generation
         if manifest is None:
             return ExecuteAnswer.failed(protocol.error("StateNotFound", state_name))
@@ -129,7 +168,7 @@ class Registry:
                                    stream=on_output is not None)
         result, child = self.supervisor.run(manifest, request, on_output)
         answer = result.answer
-        _raise_store_error(answer.error)
+        self._raise_store_error(answer.error, request.new_name)
         if result.manifest is not None and not self._bind(result.manifest, child, generation):
             answer.state_name = None
             answer.error = protocol.error(
@@ -142,9 +181,8 @@ class Registry:
         for alias in mapping:
             if not alias.isidentifier():
                 raise InvalidRequest(f"alias {alias!r} is not a Python identifier")
-        with self.lock:
-            base = self.names.get(default_state if default_state is not None else INITIAL)
-            aliases = {a: self.names.get(s) for a, s in mapping.items()}
+        base = self._lookup(default_state if default_state is not None else INITIAL)
+        aliases = {a: self._lookup(s) for a, s in mapping.items()}
         missing = [s for s, m in [(default_state, base)] + [
             (mapping[a], m) for a, m in aliases.items()] if m is None]
         if missing:
@@ -152,7 +190,7 @@ class Registry:
         request = protocol.Multistate(code=code, aliases=aliases, exec_id=_key(exec_id),
                                       stream=on_output is not None)
         result, _ = self.supervisor.run(base, request, on_output)
-        _raise_store_error(result.answer.error)
+        self._raise_store_error(result.answer.error)
         return result.answer
 
     def rebuild(self, input_state, source_state, source_vars, input_vars, new_name=None):
@@ -167,7 +205,7 @@ class Registry:
                                    auto_named=new_name is None)
         result, child = self.supervisor.run(base, request)
         if result.error:
-            _raise_store_error(result.error)
+            self._raise_store_error(result.error, request.new_name)
             raise RequestFailed(result.error["evalue"], etype=result.error["ename"])
         if not self._bind(result.manifest, child, generation):
             raise Conflict("the store was reset while the state was rebuilt; it was not kept")
@@ -176,6 +214,16 @@ class Registry:
     def interrupt(self, exec_id):
         """Interrupt the run `exec_id`; False if none is running its cell."""
         return self.supervisor.interrupt(_key(exec_id))
+
+    def _raise_store_error(self, error, new_name=None):
+        """Raise the store failure a worker reported (full; damaged bytes met while
+        loading; a shared remote unreachable; `new_name` rebound on it meanwhile) as
+        the store's own exception, which the HTTP layer maps to a status."""
+        failure = _STORE_ERRORS.get(error["ename"]) if error else None
+        if failure is NameConflict:
+            self._refresh(new_name)  # the winner's binding, so that running again rebinds it
+        if failure is not None:
+            raise failure(error["evalue"])
 
     def _bind(self, manifest, child, generation):
         """Point the manifest's name at it and keep its child as the first spare.
@@ -190,19 +238,17 @@ class Registry:
                 return False
             old = self.names.get(manifest["name"])
             self.names[manifest["name"]] = manifest
+        if self.shared:
+            self.shared.bound(manifest)
         self.pool.adopt_made(manifest["id"], child)
         if old is not None and old["id"] != manifest["id"]:
             self.pool.retire(old["id"])
         return True
 
 
-def _raise_store_error(error):
-    """Raise the store failure a worker reported (full, or damaged bytes met while
-    loading) as the store's own exception, which the HTTP layer maps to a status."""
-    if error and error["ename"] == "StoreFull":
-        raise StoreFull(error["evalue"])
-    if error and error["ename"] == "StoreCorrupt":
-        raise StoreCorrupt(error["evalue"])
+# The store's errors a worker reports by name, raised again here.
+_STORE_ERRORS = {cls.__name__: cls for cls in (StoreFull, StoreCorrupt, RemoteUnavailable,
+                                               NameConflict)}
 
 
 def _key(exec_id):

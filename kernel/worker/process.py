@@ -13,7 +13,7 @@ import types
 from kernel import protocol, trace
 from kernel.channel import Channel
 from storage import snapshot
-from storage.store import Store
+from storage.cache import open_store
 
 # The SIGCHLD pipe of this process, closed in forked children (which make their own).
 _wake_fds = []
@@ -96,10 +96,7 @@ class WorkerProcess:
 
     def store(self):
         """This process's handle on the store."""
-        s = self.settings
-        return Store.for_process(s["server.data_dir"], max_store_gb=s["store.max_store_gb"],
-                                 durability=s["store.durability"],
-                                 zstd_level=s["store.zstd_level"])
+        return open_store(self.settings)
 
     def reaper(self):
         """Route SIGCHLD to a pipe so the select loop can reap children; returns its fd."""

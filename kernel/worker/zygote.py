@@ -20,6 +20,7 @@ from kernel.channel import ChannelClosed
 from kernel.worker import limits
 from kernel.worker.process import (PR_SET_CHILD_SUBREAPER, PR_SET_PDEATHSIG, WorkerProcess,
                                    become_worker, fresh_main, prctl)
+from storage import remote
 
 
 def zygote_main(sock_path, settings):
@@ -70,5 +71,6 @@ def _warm(settings):
             pass
     from kernel.worker import runner
     runner.outputs.warm()
+    remote.warm(settings)
     runner.run_cell(runner.compile_cell("_w = [1]\n_w", 0), {"__builtins__": __builtins__}, 0,
                     settings)

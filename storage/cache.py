@@ -1,0 +1,316 @@
+"""LMDB as this server's cache of a shared remote store: read through, written through.
+
+With `store.remote` set, every process of a server opens a `CachedStore`
+instead of a plain `Store`: the same LMDB environment and interface, plus
+
+- read through: a blob the cache lacks is fetched from the remote, checked
+  against its key (SHA-256 of the payload) and kept; the chunks of a
+  large buffer are fetched in parallel as soon as its chunk list is read,
+  so a restore still loads the groups a cell needs first;
+- write through (`durability = "sync"`): before the state is written
+  locally, its blobs go to the remote (`If-None-Match: *`), then its name
+  record (compare-and-swap on the ETag). An unreachable remote or a lost
+  race raises before anything is written here. With "async" the state is
+  written locally only, and the server's publisher (storage/publisher.py)
+  uploads it later;
+- a bounded cache: past `cache_gb`, the blobs the remote has are evicted,
+  oldest arrival first. Blobs the remote does not have yet never are.
+
+Blobs are reused across states and servers, so a blob this server
+believes the remote has may have been garbage-collected since (by
+scripts/gc_states.py, which deletes unreferenced blobs older than
+`remote_grace_hours`). So a state is published only with blobs known fresh
+on the remote within half that period; an older one is freshened (copied
+onto itself, which renews its LastModified) or sent again.
+
+Bookkeeping lives in the LMDB database `remote`, beside `blobs` and `states`:
+
+    b"k" + key        -> when the remote's copy was last known fresh (8-byte float)
+    b"c" + ns + key   -> b"": blobs cached here and on the remote, by arrival (ns)
+    b"e" + name       -> ETag of the name's record as this server last wrote or read it
+    b"q" + name       -> id of the state to publish under the name ("async"), or b""
+                         to delete the name on the remote
+"""
+
+import concurrent.futures
+import hashlib
+import struct
+import time
+
+import lmdb
+
+from storage.remote import RemoteStore
+from storage.store import Store, StoreError, StoreFull, decode_record, encode_manifest
+
+# The empty starting state: every server makes its own, so it is never shared.
+UNSHARED = frozenset({"initial"})
+# Fetched blobs are written to the cache in transactions of about this many bytes.
+_BATCH_BYTES = 64 * 2 ** 20
+
+
+def open_store(settings):
+    """This process's store: LMDB alone, or LMDB caching the remote of `store.remote`."""
+    s = settings
+    options = dict(max_store_gb=s["store.max_store_gb"], durability=s["store.durability"],
+                   zstd_level=s["store.zstd_level"])
+    if not s["store.remote"]:
+        return Store.for_process(s["server.data_dir"], **options)
+    return CachedStore.for_process(s["server.data_dir"], settings=s, **options)
+
+
+def _time(value):
+    """A bookkeeping time as stored (8 bytes)."""
+    return struct.pack(">d", value)
+
+
+class CachedStore(Store):
+    """An LMDB store that reads and writes through to a remote store."""
+
+    def __init__(self, path, settings, **options):
+        """Open the LMDB cache at `path` for the remote of `settings`."""
+        super().__init__(path, **options)
+        self.remote = RemoteStore(settings["store.remote"], settings["store.remote_endpoint"],
+                                  settings)
+        self.book = self.env.open_db(b"remote", create=not self.readonly)
+        self.publish_now = settings["store.durability"] == "sync"
+        self.cache_bytes = int(settings["store.cache_gb"] * 2 ** 30)
+        self.trust_s = settings["store.remote_grace_hours"] * 3600 / 2
+        self.parallel = settings["store.remote_parallel"]
+        self.head_min_bytes = settings["store.remote_head_min_bytes"]
+        self._pending = {}  # records of the state being published, not yet in LMDB
+
+    # Read through --------------------------------------------------------
+
+    def blob(self, key):
+        """The payload of blob `key`: from the cache, else from the remote (then cached)."""
+        if key in self._pending:
+            return decode_record(self._pending[key])
+        try:
+            return super().blob(key)
+        except StoreError:
+            return self.fetch([key], keep=True)[key]
+
+    def chunk_list(self, key):
+        """The chunk keys of a chunk list, the chunks the cache lacks fetched at once."""
+        keys = super().chunk_list(key)
+        self.fetch(self.missing(keys) - self._pending.keys())
+        return keys
+
+    def fetch(self, keys, keep=False):
+        """Download blobs into the cache, each checked against its key.
+
+        Returns {key: payload} when `keep`, else {}. Refuses (StoreError) a
+        blob the remote lacks or whose content does not hash to its key.
+        """
+        kept, batch, size = {}, [], 0
+        for key, record, modified, payload in self.each(self._download, keys):
+            if keep:
+                kept[key] = payload
+            batch.append((key, record, modified))
+            size += len(record)
+            if size >= _BATCH_BYTES:
+                self._cache(batch)
+                batch, size = [], 0
+        self._cache(batch)
+        self._evict()
+        return kept
+
+    def _download(self, key):
+        """(key, record, LastModified, payload) of a blob from the remote, verified."""
+        got = self.remote.get_blob(key)
+        if got is None:
+            raise StoreError(f"blob {key} is neither in the cache at {self.path} nor on "
+                             f"{self.remote.url}; run scripts/check_store.py --remote")
+        record, modified = got
+        try:
+            payload = decode_record(record)
+        except Exception as exc:  # a damaged zstd frame
+            raise StoreError(f"blob {key} from {self.remote.url} cannot be decompressed "
+                             f"({exc}); refused. Run scripts/check_store.py --remote") from None
+        if hashlib.sha256(payload).hexdigest() != key:
+            raise StoreError(f"blob {key} from {self.remote.url} does not hash to its key; "
+                             f"refused. Run scripts/check_store.py --remote")
+        return key, record, modified, payload
+
+    def _cache(self, batch):
+        """Write fetched blob records, marked as on the remote since their LastModified."""
+        if not batch:
+            return
+        try:
+            with self.env.begin(write=True) as txn:
+                for key, record, modified in batch:
+                    raw = bytes.fromhex(key)
+                    txn.put(raw, record, db=self.blobs)
+                    txn.put(b"k" + raw, _time(modified), db=self.book)
+                    txn.put(b"c" + struct.pack(">Q", time.time_ns()) + raw, b"", db=self.book)
+        except lmdb.MapFullError:
+            raise StoreFull(f"the store at {self.path} is full (max_store_gb); lower "
+                            f"cache_gb below it") from None
+
+    def each(self, work, items):
+        """work(item) for every item, `remote_parallel` at a time; results in order.
+
+        The threads are gone when this returns or raises (a worker process
+        forks right after, and a fork must not copy threads mid-request).
+        """
+        items = list(items)
+        if len(items) <= 1:
+            yield from map(work, items)
+            return
+        pool = concurrent.futures.ThreadPoolExecutor(min(self.parallel, len(items)))
+        try:
+            yield from pool.map(work, items)
+        finally:
+            pool.shutdown(wait=True, cancel_futures=True)
+
+    # Write through -------------------------------------------------------
+
+    def put_state(self, name, manifest, records):
+        """Write a new state; with durability "sync", on the remote first."""
+        if not self.publish_now or name in UNSHARED:
+            super().put_state(name, manifest, records)
+        else:
+            self._pending = records
+            try:
+                etag, fresh = self.publish(name, manifest)
+            finally:
+                self._pending = {}
+            super().put_state(name, manifest, records)
+            self.note(name, etag, fresh)
+        self._evict()
+
+    def publish(self, name, manifest):
+        """Put the blobs `manifest` needs on the remote, then its name record.
+
+        Returns (new ETag, {blob key: time known fresh}). Raises
+        RemoteUnavailable or NameConflict with nothing of the name changed.
+        """
+        keys = self.referenced(manifest)
+        stale = time.time() - self.trust_s
+        with self.env.begin(db=self.book) as txn:
+            todo = [k for k in keys if _since(txn.get(b"k" + bytes.fromhex(k))) < stale]
+        fresh = dict(self.each(self._upload, todo))
+        return self.remote.put_name(name, manifest, self.etag(name)), fresh
+
+    def _upload(self, key):
+        """(key, time it is fresh from): make sure the remote has a fresh copy of a blob."""
+        now = time.time()
+        record = self._record(key)
+        if record is None or len(record) >= self.head_min_bytes:
+            # Look first: a large blob another server stored is not sent again.
+            modified = self.remote.head_blob(key)
+            if modified is not None and modified >= now - self.trust_s:
+                return key, modified
+            if modified is not None and self.remote.freshen(key):
+                return key, now
+        if record is None:
+            raise StoreError(f"blob {key} is neither in the cache at {self.path} nor on "
+                             f"{self.remote.url} (garbage-collected while this server held "
+                             f"a state using it); run the cells that made it again")
+        if not self.remote.put_blob(key, record) and not self.remote.freshen(key):
+            self.remote.put_blob(key, record)  # deleted between the two calls
+        return key, now
+
+    def _record(self, key):
+        """The stored record of blob `key` (pending or cached), or None."""
+        if key in self._pending:
+            return self._pending[key]
+        with self.env.begin(db=self.blobs) as txn:
+            return txn.get(bytes.fromhex(key))
+
+    def note(self, name, etag, fresh):
+        """Remember a name's new ETag and blobs now fresh on the remote."""
+        with self.env.begin(db=self.book, write=True) as txn:
+            for key, since in fresh.items():
+                raw = bytes.fromhex(key)
+                if txn.get(b"k" + raw) is None:
+                    txn.put(b"c" + struct.pack(">Q", time.time_ns()) + raw, b"")
+                txn.put(b"k" + raw, _time(since))
+            if name is not None:
+                txn.put(b"e" + name.encode(), etag.encode())
+
+    def etag(self, name):
+        """The ETag of `name`'s record as last seen here, or None."""
+        with self.env.begin(db=self.book) as txn:
+            raw = txn.get(b"e" + name.encode())
+        return None if raw is None else raw.decode()
+
+    # Names and the publishing queue (the server process) ----------------
+
+    def etags(self):
+        """{name: ETag} of every name this server knows the remote has."""
+        return {k[1:].decode(): v.decode() for k, v in self._prefixed(b"e")}
+
+    def take(self, name, manifest, etag):
+        """Cache the remote's record of `name`: its manifest and ETag."""
+        with self.env.begin(write=True) as txn:
+            txn.put(name.encode(), encode_manifest(manifest), db=self.states)
+            txn.put(b"e" + name.encode(), etag.encode(), db=self.book)
+
+    def drop(self, name):
+        """Forget a name the remote no longer has: its cached manifest and ETag."""
+        with self.env.begin(write=True) as txn:
+            txn.delete(name.encode(), db=self.states)
+            txn.delete(b"e" + name.encode(), db=self.book)
+
+    def forget_etag(self, name):
+        """Forget the ETag of `name` (the remote has no record of it now)."""
+        with self.env.begin(db=self.book, write=True) as txn:
+            txn.delete(b"e" + name.encode())
+
+    def queue(self, name, state_id):
+        """Publish state `state_id` under `name` later ("" = delete the name remotely)."""
+        with self.env.begin(db=self.book, write=True) as txn:
+            txn.put(b"q" + name.encode(), state_id.encode())
+
+    def unqueue(self, name, state_id):
+        """Drop the queue entry of `name` if it still asks for `state_id`."""
+        with self.env.begin(db=self.book, write=True) as txn:
+            if txn.get(b"q" + name.encode()) == state_id.encode():
+                txn.delete(b"q" + name.encode())
+
+    def queued(self):
+        """{name: state id, or "" for a deletion} still to be done on the remote."""
+        return {k[1:].decode(): v.decode() for k, v in self._prefixed(b"q")}
+
+    def _prefixed(self, prefix):
+        """[(key, value)] of the bookkeeping entries whose key starts with `prefix`."""
+        with self.env.begin(db=self.book) as txn:
+            cursor = txn.cursor()
+            found = cursor.set_range(prefix)
+            items = []
+            while found and cursor.key()[:1] == prefix:
+                items.append((cursor.key(), cursor.value()))
+                found = cursor.next()
+            return items
+
+    # Cache bound ---------------------------------------------------------
+
+    def cached_bytes(self):
+        """Bytes the blobs take in the LMDB file."""
+        with self.env.begin() as txn:
+            stat = txn.stat(self.blobs)
+        return (stat["branch_pages"] + stat["leaf_pages"] + stat["overflow_pages"]) * \
+            stat["psize"]
+
+    def _evict(self):
+        """Past cache_gb, drop the oldest cached blobs the remote has (to 90 % of it)."""
+        excess = self.cached_bytes() - self.cache_bytes
+        if excess <= 0:
+            return
+        excess += self.cache_bytes // 10  # so that not every write evicts
+        with self.env.begin(write=True) as txn:
+            cursor = txn.cursor(db=self.book)
+            found = cursor.set_range(b"c")
+            while found and excess > 0 and cursor.key()[:1] == b"c":
+                raw = cursor.key()[9:]
+                record = txn.get(raw, db=self.blobs)
+                if record is not None:
+                    excess -= len(record)
+                    txn.delete(raw, db=self.blobs)
+                found = cursor.delete()
+
+
+def _since(raw):
+    """A stored bookkeeping time, or 0 when there is none."""
+    return 0.0 if raw is None else struct.unpack(">d", raw)[0]
