@@ -1,0 +1,287 @@
+"""Several servers on one remote store: moto's S3 server on loopback, real servers over HTTP."""
+
+import hashlib
+import re
+import shutil
+import subprocess
+import sys
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from conftest import ROOT
+from storage.store import Store, decode_manifest, decode_record
+
+# 12 MB that do not compress, so 12 chunks of 1 MiB on the remote too.
+BIG = ("import numpy as np\n"
+       "big = np.random.default_rng(0).integers(0, 2 ** 40, 1_500_000, dtype=np.int64)")
+BIG_SUM = str(int(np.random.default_rng(0).integers(0, 2 ** 40, 1_500_000,
+                                                    dtype=np.int64).sum()))
+
+
+def wait_for(condition, what, timeout=30):
+    """Wait until condition() is true, or fail naming `what`."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            pytest.fail(f"timed out waiting for {what}")
+        time.sleep(0.05)
+
+
+def hashes(srv, state, names):
+    """The symbol hashes of `names` in `state` on server `srv`."""
+    r = srv.post("/symbol_hashes", {"state_name": state, "symbols": names})
+    assert r.status_code == 200, r.text
+    return r.json()["hashes"]
+
+
+def blob_puts(s3, bucket, key):
+    """How many PUT requests for blob `key` in `bucket` the S3 server has logged."""
+    with open(s3.log_path, errors="replace") as f:
+        return len(re.findall(rf'"PUT /{bucket}/states/blobs/{key} ', f.read()))
+
+
+def test_two_servers_run_from_each_others_states(s3, make_server):
+    """Each server lists and runs from the other's states, with the same values and hashes."""
+    bucket = s3.bucket()
+    a, b = make_server(config=s3.config(bucket)), make_server(config=s3.config(bucket))
+    a.execute(BIG + "\nlabel = 'from a'", new="base")
+    assert "base" in b.get("/states").json()["states"]
+    b.execute("total = int(big.sum())\nlabel = label + ', then b'", state="base", new="next")
+    a.execute("check = total == int(big.sum())", state="next", new="checked")
+    for srv in (a, b):
+        assert srv.value("checked", "(check, label, total)") == \
+            f"(True, 'from a, then b', {BIG_SUM})"
+    names = ["big", "label", "total", "check"]
+    assert hashes(a, "checked", names) == hashes(b, "checked", names)
+    assert b.get("/states/checked").json()["parent"] == "next"
+
+
+def test_a_blob_both_servers_make_is_stored_and_sent_once(s3, make_server):
+    """The same value made on two servers is one object on the remote, uploaded once."""
+    bucket = s3.bucket()
+    a = make_server(config=s3.config(bucket))
+    a.execute(BIG, new="on-a")
+    before = s3.objects(bucket, "blobs")
+    b = make_server(config=s3.config(bucket))
+    b.execute(BIG, new="on-b")  # computed again on b, not restored from a's state
+    after = s3.objects(bucket, "blobs")
+    chunks = [k for k, item in before.items() if item["Size"] > 2 ** 18]
+    assert len(chunks) == 12
+    assert hashes(a, "on-a", ["big"]) == hashes(b, "on-b", ["big"])
+    for key in chunks:
+        assert blob_puts(s3, bucket, key) == 1
+        assert after[key]["LastModified"] == before[key]["LastModified"]
+    assert len(after) - len(before) <= 1  # b's own pickle payload at most (the same bytes)
+
+
+def test_rebinding_race_between_two_servers(s3, make_server):
+    """Two servers rebinding one name at once: one wins each round, the other gets 409
+    and, having learnt the winner's record, rebinds the name over it when it runs again."""
+    bucket = s3.bucket()
+    a, b = make_server(config=s3.config(bucket)), make_server(config=s3.config(bucket))
+    a.execute("who = 'first'", new="x")
+    b.get("/states")
+    conflicts = 0
+    for round_ in range(6):
+        answers = {}
+        start = threading.Barrier(2)
+
+        def rebind(srv, tag):
+            """Run a cell into the name `x` when the other server does too."""
+            start.wait()
+            answers[tag] = srv.post("/execute", {"code": f"who = '{tag}{round_}'",
+                                                 "exec_id": f"{tag}{round_}",
+                                                 "state_name": "initial",
+                                                 "new_state_name": "x"})
+        threads = [threading.Thread(target=rebind, args=(srv, tag))
+                   for srv, tag in ((a, "a"), (b, "b"))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        statuses = sorted(r.status_code for r in answers.values())
+        assert statuses in ([200, 200], [200, 409]), [r.text for r in answers.values()]
+        for tag, r in answers.items():
+            if r.status_code == 409:
+                conflicts += 1
+                assert r.json()["error"]["type"] == "NameConflict"
+                retry = (a if tag == "a" else b).execute(f"who = '{tag}{round_} again'",
+                                                           new="x")
+                assert retry["state_name"] == "x"
+        record = s3.client.get_object(Bucket=bucket, Key="states/names/x")["Body"].read()
+        assert decode_manifest(record)["name"] == "x"  # a whole record, never torn
+        ids = {srv.get("/states/x").json()["variables"]["who"]["repr"] for srv in (a, b)}
+        assert len(ids) == 1, ids  # both servers see the same binding
+    assert conflicts >= 1
+
+
+def test_a_server_that_lost_its_cache_recovers_every_state(s3, make_server, tmp_path):
+    """Delete a server's whole store folder: every state comes back from the remote."""
+    bucket = s3.bucket()
+    data = tmp_path / "lost"
+    a = make_server(data, config=s3.config(bucket))
+    a.execute(BIG + "\nimport pandas as pd\ndf = pd.DataFrame({'v': [1, 2, 3]})", new="s1")
+    a.execute("def f(n):\n    return n * 2\nsmall = f(21)", state="s1", new="s2")
+    a.execute("big = big[::2].copy()", state="s2", new="s3")
+    expected_half = a.value("s3", "int(big.sum())")
+    names = ["big", "df", "f", "small"]
+    expected = {s: hashes(a, s, names) for s in ("s1", "s2", "s3")}
+    a.stop()
+    shutil.rmtree(data)
+    again = make_server(data, config=s3.config(bucket))
+    assert set(again.get("/states").json()["states"]) == {"initial", "s1", "s2", "s3"}
+    for state, want in expected.items():
+        assert hashes(again, state, names) == want
+    assert again.value("s3", "(int(big.sum()), df.v.sum(), f(small))") == \
+        f"({expected_half}, np.int64(6), 84)"
+
+
+def test_remote_down_then_up_sync(s3, make_server):
+    """Sync: while the remote is down an execution fails with 503 and binds nothing,
+    here or there; once it is back the same execution succeeds."""
+    bucket = s3.bucket()
+    a, b = make_server(config=s3.config(bucket)), make_server(config=s3.config(bucket))
+    a.execute("x = 1", new="before")
+    s3.pause()
+    try:
+        r = a.post("/execute", {"code": "x = 2", "exec_id": "down", "state_name": "before",
+                                "new_state_name": "during"})
+        assert r.status_code == 503, r.text
+        assert r.json()["error"]["type"] == "RemoteUnavailable"
+        assert "during" not in a.get("/states").json()["states"]
+    finally:
+        s3.resume()
+    assert "during" not in s3.objects(bucket, "names")
+    assert "during" not in b.get("/states").json()["states"]
+    a.execute("x = 2", state="before", new="during")
+    assert b.value("during", "x") == "2"
+
+
+def test_remote_down_then_up_async_survives_a_restart(s3, make_server, tmp_path):
+    """Async: executions go on while the remote is down; the queue survives a restart of
+    the server and is uploaded once the remote is back."""
+    bucket = s3.bucket()
+    data = tmp_path / "async"
+    a = make_server(data, config=s3.config(bucket, "async"))
+    b = make_server(config=s3.config(bucket))
+    a.execute("x = 1", new="before")
+    wait_for(lambda: "before" in b.get("/states").json()["states"], "the first upload")
+    s3.pause()
+    try:
+        a.execute(BIG, state="before", new="while-down")
+        a.execute("y = 3", state="while-down", new="later")
+        assert {"while-down", "later"} <= set(a.get("/states").json()["states"])
+        a.stop()
+    finally:
+        s3.resume()
+    assert not {"while-down", "later"} & set(s3.objects(bucket, "names"))
+    a = make_server(data, config=s3.config(bucket, "async"))
+    wait_for(lambda: {"while-down", "later"} <= set(b.get("/states").json()["states"]),
+             "the queued states on the other server")
+    assert b.value("later", "(x, y, int(big.sum()))") == f"(1, 3, {BIG_SUM})"
+
+
+def run_script(*args):
+    """Run a script of scripts/ and return (exit status, output)."""
+    proc = subprocess.run([sys.executable, *args], cwd=ROOT, capture_output=True, text=True,
+                          timeout=120)
+    return proc.returncode, proc.stdout + proc.stderr
+
+
+def test_gc_with_two_servers_running(s3, make_server, tmp_path):
+    """gc --remote deletes only unreferenced blobs older than the grace period; both
+    servers go on running from every state left, and the remote checks sound."""
+    bucket = s3.bucket()
+    config = tmp_path / "remote.toml"
+    config.write_text(s3.config(bucket))
+    a, b = make_server(config=s3.config(bucket)), make_server(config=s3.config(bucket))
+    a.execute(BIG, new="keep")
+    b.execute("import numpy as np\ngone = np.ones(400_000)", new="doomed")
+    b.execute("kept = 7", state="keep", new="keep2")
+    assert a.delete("/states/doomed").status_code == 200
+    wanted = set()
+    for srv, state in ((a, "keep"), (b, "keep2")):
+        wanted |= set(hashes(srv, state, ["big"]).values())
+    before = s3.objects(bucket, "blobs")
+    status, out = run_script("scripts/gc_states.py", "--remote", "--config", str(config))
+    assert status == 0, out
+    assert s3.objects(bucket, "blobs").keys() == before.keys()  # all younger than 24 h
+    status, out = run_script("scripts/gc_states.py", "--remote", "--config", str(config),
+                             "--grace", "0s")
+    assert status == 0, out
+    after = s3.objects(bucket, "blobs")
+    assert 0 < len(after) < len(before)
+    status, out = run_script("scripts/check_store.py", "--remote", "--config", str(config))
+    assert status == 0, out
+    c = make_server(config=s3.config(bucket))  # a cold cache: everything from the remote
+    for srv in (a, b, c):
+        assert srv.value("keep2", "(int(big.sum()), kept)") == f"({BIG_SUM}, 7)"
+    assert "doomed" not in c.get("/states").json()["states"]
+
+
+def test_a_blob_that_does_not_hash_to_its_key_is_refused(s3, make_server, tmp_path):
+    """A damaged blob on the remote: a cold server refuses it, check_store names it."""
+    bucket = s3.bucket()
+    a = make_server(config=s3.config(bucket))
+    a.execute("payload = 'precious ' * 1000", new="s")
+    blobs = s3.objects(bucket, "blobs")
+    key = next(k for k in blobs if blobs[k]["Size"] < 2000)
+    s3.client.put_object(Bucket=bucket, Key=f"states/blobs/{key}", Body=b"Rnot the payload")
+    b = make_server(config=s3.config(bucket))
+    answer = b.execute("len(payload)", state="s", ok=False)
+    assert answer["error"] is not None and "does not hash to its key" in \
+        answer["error"]["evalue"]
+    config = tmp_path / "remote.toml"
+    config.write_text(s3.config(bucket))
+    status, out = run_script("scripts/check_store.py", "--remote", "--config", str(config))
+    assert status == 1 and key in out, out
+
+
+def test_the_cache_stays_within_cache_gb(s3, make_server, tmp_path):
+    """Past cache_gb the blobs the remote has are evicted; the states still restore."""
+    bucket = s3.bucket()
+    data = tmp_path / "small-cache"
+    config = s3.config(bucket, extra="cache_gb = 0.02\n")  # 20 MiB
+    a = make_server(data, config=config)
+    for i in range(3):
+        a.execute(f"import numpy as np\nv{i} = np.full(1_500_000, {i})", new=f"s{i}")
+    a.stop()
+    store = Store(str(data), readonly=True)
+    try:
+        with store.env.begin() as txn:
+            stat = txn.stat(store.blobs)
+        used = (stat["branch_pages"] + stat["leaf_pages"] + stat["overflow_pages"]) * \
+            stat["psize"]
+    finally:
+        store.env.close()
+    assert used <= 0.02 * 2 ** 30
+    a = make_server(data, config=config)
+    for i in range(3):
+        assert a.value(f"s{i}", f"int(v{i}.sum())") == str(1_500_000 * i)
+
+
+def test_without_boto3_the_server_says_how_to_install_it(s3, tmp_path):
+    """store.remote set but boto3 missing: the server refuses to start, naming the extra."""
+    config = tmp_path / "remote.toml"
+    config.write_text(s3.config("any-bucket"))
+    code = ("import runpy, sys\nsys.modules['boto3'] = None\n"
+            f"sys.argv = ['main.py', '--no-auth', '--bind', '127.0.0.1:1', '--data-dir', "
+            f"{str(tmp_path / 'data')!r}, '--config', {str(config)!r}]\n"
+            "runpy.run_path('main.py', run_name='__main__')")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,
+                          text=True, timeout=60)
+    assert proc.returncode != 0
+    assert "pip install -e '.[s3]'" in proc.stderr, proc.stderr
+
+
+def test_blob_records_on_the_remote_are_the_cache_records(s3, make_server):
+    """Each blob object is the LMDB record of its key: the payload hashes to the key."""
+    bucket = s3.bucket()
+    a = make_server(config=s3.config(bucket))
+    a.execute("import numpy as np\nm = np.eye(300)\nt = ('x' * 5000,)", new="s")
+    for key in s3.objects(bucket, "blobs"):
+        record = s3.client.get_object(Bucket=bucket, Key=f"states/blobs/{key}")["Body"].read()
+        assert hashlib.sha256(decode_record(record)).hexdigest() == key
