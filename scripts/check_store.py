@@ -4,6 +4,7 @@ Run from the repository root (a server may keep running meanwhile: the
 store is opened read-only, and LMDB lets readers work beside the writer):
 
     python scripts/check_store.py [--data-dir DIR]
+    python scripts/check_store.py --remote [--config FILE]
 
 It first checks that `data.mdb` holds every page its last transaction
 uses (a file cut short is reported, not mapped: mapping it would crash
@@ -15,6 +16,10 @@ its key. A corrupt blob is an error even when no state refers to it,
 because blobs are content-addressed and written once: a later state with
 the same value would reuse the damaged copy. Blobs no state refers to are
 reported as information (scripts/gc_states.py removes them).
+
+With --remote it checks the S3-compatible store of `store.remote` the same
+way (every name record, every blob object downloaded and hashed) instead
+of the local one; servers may keep running meanwhile.
 
 Exit status: 0 the store is sound, 1 problems were found (each printed as
 state, group members, blob key, problem) or the store cannot be opened
@@ -36,7 +41,8 @@ import lmdb  # noqa: E402
 import zstandard  # noqa: E402
 
 from kernel import config as config_mod  # noqa: E402
-from storage.store import Store, StoreError, decode_manifest  # noqa: E402
+from storage.remote import RemoteStore  # noqa: E402
+from storage.store import Store, StoreError, decode_manifest, decode_record  # noqa: E402
 
 DATA_FILE = "data.mdb"
 _LISTED = 20  # unreferenced blobs listed by key; the rest are only counted
@@ -52,8 +58,42 @@ def parse_args(argv):
     p.add_argument("--data-dir", help="folder of the store (default: server.data_dir of the "
                                       "configuration)")
     p.add_argument("--config", help="a TOML file overriding config.toml (for the default "
-                                    "data_dir)")
+                                    "data_dir, and store.remote)")
+    p.add_argument("--remote", action="store_true",
+                   help="check the remote store of store.remote (S3) instead of the local one")
     return p.parse_args(argv)
+
+
+class RemoteView:
+    """The remote store, seen as `check` sees a local one."""
+
+    def __init__(self, remote):
+        """Read through `remote` (a storage.remote.RemoteStore)."""
+        self.remote = remote
+        self.path = remote.url
+
+    def snapshot(self):
+        """({state: stored manifest bytes}, [blob key bytes]), as read_snapshot gives.
+
+        Blobs are listed first: a state published meanwhile may then name
+        a blob not listed, which is still checked (as referenced).
+        """
+        keys = [bytes.fromhex(k) if _is_key(k) else k.encode() for k in self.remote.blobs()]
+        manifests = {}
+        for name in self.remote.names():
+            got = self.remote.name_record(name)
+            if got is not None:  # deleted since the listing
+                manifests[name] = got[0]
+        return manifests, keys
+
+    def blob(self, key):
+        """The payload of blob `key`; StoreError if the remote lacks it."""
+        got = self.remote.get_blob(key)
+        if got is None:
+            raise StoreError(f"blob {key} is missing")
+        return decode_record(got[0])
+
+    chunk_list = Store.chunk_list
 
 
 def read_snapshot(store):
@@ -130,7 +170,8 @@ def _is_key(key):
 
 def check(store, out=print):
     """Check the store, print the findings; returns the exit status (0 or 1)."""
-    raw_manifests, raw_keys = read_snapshot(store)
+    raw_manifests, raw_keys = (store.snapshot() if isinstance(store, RemoteView)
+                               else read_snapshot(store))
     problems = []  # (state, group members, key, problem)
     referenced = {}  # key -> [(state, members, role)]
     for name, raw in sorted(raw_manifests.items()):
@@ -188,6 +229,8 @@ def main(argv=None):
     except config_mod.ConfigError as exc:
         print(f"check_store.py: error: {exc}", file=sys.stderr)
         return 2
+    if args.remote:
+        return check_remote(settings)
     data_dir = os.path.abspath(args.data_dir or settings["server.data_dir"])
     if not os.path.isfile(os.path.join(data_dir, DATA_FILE)):
         print(f"check_store.py: error: no store at {data_dir} (no {DATA_FILE} there); "
@@ -205,6 +248,20 @@ def main(argv=None):
         return 1
     finally:
         store.env.close()
+
+
+def check_remote(settings):
+    """Check the remote store of the configuration; returns the exit status."""
+    if not settings["store.remote"]:
+        print("check_store.py: error: --remote needs store.remote in the configuration "
+              "(pass --config FILE)", file=sys.stderr)
+        return 2
+    remote = RemoteStore(settings["store.remote"], settings["store.remote_endpoint"], settings)
+    try:
+        return check(RemoteView(remote))
+    except StoreError as exc:
+        print(f"check_store.py: error: {exc}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

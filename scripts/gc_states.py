@@ -3,6 +3,7 @@
 Run from the repository root, with no server running on the store:
 
     python scripts/gc_states.py [--data-dir DIR] [RULES] [--dry-run] [--compact]
+    python scripts/gc_states.py --remote [--config FILE] [RULES] [--grace AGE] [--dry-run]
 
 How the rules combine:
 
@@ -27,6 +28,15 @@ small write after the deletes, so the very next state can reuse them (a
 full store is writable again at once), and reports the space free for new
 states. --compact writes a compacted copy and swaps it in. Exit status: 0 done, 1 the store cannot be used,
 2 bad arguments or a server is running on the store.
+
+With --remote the rules apply to the names of the S3-compatible store of
+`store.remote`, while servers keep running on it: a name is deleted only if
+its record is still the one read (If-Match), and a blob only if no name
+references it AND the remote last wrote it more than --grace ago
+(remote_grace_hours by default), because a server may be uploading a new
+state's blobs before its name record, or reusing an old blob (it renews
+the blob's time first: storage/cache.py). Each blob's time is read once
+more just before it is deleted.
 """
 
 import os
@@ -46,7 +56,8 @@ import shutil  # noqa: E402
 import lmdb  # noqa: E402
 
 from kernel import config as config_mod  # noqa: E402
-from storage.store import Store, StoreError, try_server_lock  # noqa: E402
+from storage.remote import NameConflict, RemoteStore  # noqa: E402
+from storage.store import Store, StoreError, decode_record, try_server_lock  # noqa: E402
 
 INITIAL = "initial"
 DATA_FILE = "data.mdb"
@@ -118,7 +129,18 @@ def parse_args(argv):
     p.add_argument("--compact", action="store_true",
                    help="after deleting, rewrite the LMDB file compacted and swap it in "
                         "(shrinks the file; needs free disk space for the copy)")
-    return p.parse_args(argv)
+    p.add_argument("--remote", action="store_true",
+                   help="collect the remote store of store.remote (S3) instead of the local "
+                        "one; servers may keep running")
+    p.add_argument("--grace", type=parse_age, metavar="AGE",
+                   help="with --remote: keep unreferenced blobs the remote wrote less than "
+                        "AGE ago (default: remote_grace_hours of the configuration)")
+    args = p.parse_args(argv)
+    if args.remote and args.compact:
+        p.error("--compact shrinks a local LMDB file; it does not apply to --remote")
+    if args.grace is not None and not args.remote:
+        p.error("--grace applies to --remote only")
+    return args
 
 
 def created_at(manifest):
@@ -262,6 +284,8 @@ def run(args, out=print):
         settings = config_mod.load(args.config)
     except config_mod.ConfigError as exc:
         raise Refused(str(exc)) from None
+    if args.remote:
+        return run_remote(args, settings, out)
     data_dir = os.path.abspath(args.data_dir or settings["server.data_dir"])
     if not os.path.isfile(os.path.join(data_dir, DATA_FILE)):
         raise Refused(f"no store at {data_dir} (no {DATA_FILE} there); pass --data-dir")
@@ -326,6 +350,82 @@ def _collect(store, data_dir, args, out):
                 f"{human(after)}")
     elif freed and not args.dry_run:
         out("the file keeps its size (LMDB reuses the freed pages); --compact shrinks it")
+    return 0
+
+
+class RemoteBlobs:
+    """Blob reads from the remote, for Store.referenced (chunk lists)."""
+
+    def __init__(self, remote):
+        """Read through `remote`."""
+        self.remote = remote
+
+    def blob(self, key):
+        """The payload of blob `key`; StoreError if the remote lacks it."""
+        got = self.remote.get_blob(key)
+        if got is None:
+            raise StoreError(f"blob {key} is missing from {self.remote.url}; nothing was "
+                             f"deleted. Run scripts/check_store.py --remote")
+        return decode_record(got[0])
+
+    chunk_list = Store.chunk_list
+    referenced = Store.referenced
+
+
+def run_remote(args, settings, out):
+    """Apply the rules to the remote's names, then delete old unreferenced blobs."""
+    if not settings["store.remote"]:
+        raise Refused("--remote needs store.remote in the configuration (pass --config FILE)")
+    remote = RemoteStore(settings["store.remote"], settings["store.remote_endpoint"], settings)
+    grace = args.grace if args.grace is not None else datetime.timedelta(
+        hours=settings["store.remote_grace_hours"])
+    verb = "would delete" if args.dry_run else "deleted"
+    # Blobs are listed before the names: a blob uploaded after this listing is never a
+    # candidate, and a state published before it is among the names read next.
+    listed = remote.blobs()
+    records = {name: remote.get_name(name) for name in remote.names()}
+    records = {name: got for name, got in records.items() if got is not None}
+    manifests = {name: manifest for name, (manifest, _) in records.items()}
+    rules = (args.older_than is not None or args.match or args.unreachable
+             or args.keep_last is not None)
+    now = datetime.datetime.now(datetime.timezone.utc)
+    doomed = select(manifests, args, now) if rules else []
+    if not rules:
+        out("no selection rule given: no state is deleted, only blobs no state references")
+    out(f"{verb} {len(doomed)} state(s) of {len(manifests)}" + (":" if doomed else ""))
+    for name in doomed:
+        if args.dry_run:
+            out(f"  {name}  (created {manifests[name].get('created', '?')})")
+            continue
+        try:
+            remote.delete_name(name, records[name][1])
+            out(f"  {name}  (created {manifests[name].get('created', '?')})")
+        except NameConflict:
+            out(f"  {name}: kept, rebound by a server meanwhile")
+            doomed.remove(name)
+    reader = RemoteBlobs(remote)
+    referenced = set()
+    for name, manifest in manifests.items():
+        if name not in doomed:
+            referenced |= reader.referenced(manifest)
+    cutoff = (now - grace).timestamp()
+    orphans = [k for k, (modified, _) in listed.items()
+               if k not in referenced and modified < cutoff]
+    young = sum(1 for k in listed if k not in referenced) - len(orphans)
+    freed = 0
+    for key in orphans:
+        if args.dry_run:
+            freed += listed[key][1]
+            continue
+        modified = remote.head_blob(key)
+        if modified is not None and modified < cutoff:  # not renewed by a server since
+            remote.delete_blob(key)
+            freed += listed[key][1]
+    out(f"{verb} {len(orphans)} unreferenced blob(s) older than "
+        f"{grace.total_seconds() / 3600:g} h, freeing "
+        f"{human(freed)}; kept {young} younger unreferenced blob(s)")
+    out(f"{len(manifests) - len(doomed)} state(s) and {len(referenced)} blob(s) remain "
+        f"on {remote.url}")
     return 0
 
 

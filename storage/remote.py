@@ -204,14 +204,25 @@ class RemoteStore:
         return {urllib.parse.unquote(item["Key"][start:]): item["ETag"]
                 for item in self._list(f"{self.prefix}names/")}
 
-    def get_name(self, name):
-        """(manifest, ETag) of name `name`, or None if the remote has no such name."""
+    def name_record(self, name):
+        """(stored manifest bytes, ETag) of name `name`, or None if there is no such name."""
         answer = self._call("get_object", Key=self._name_key(name))
         if answer in (404, 412):
             return None
         try:
-            return decode_manifest(answer["Body"].read()), answer["ETag"]
-        except (OSError, ValueError) as exc:
+            return answer["Body"].read(), answer["ETag"]
+        except Exception as exc:  # the connection broke while the body came
+            raise RemoteUnavailable(f"reading the record of state {name!r} from {self.url} "
+                                    f"failed: {type(exc).__name__}: {exc}") from None
+
+    def get_name(self, name):
+        """(manifest, ETag) of name `name`, or None if the remote has no such name."""
+        got = self.name_record(name)
+        if got is None:
+            return None
+        try:
+            return decode_manifest(got[0]), got[1]
+        except Exception as exc:  # not zstd, not JSON
             raise RemoteError(f"the record of state {name!r} on {self.url} cannot be read "
                               f"({type(exc).__name__}: {exc}); run "
                               f"scripts/check_store.py --remote") from None
