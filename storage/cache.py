@@ -30,10 +30,12 @@ Bookkeeping lives in the LMDB database `remote`, beside `blobs` and `states`:
     b"e" + name       -> ETag of the name's record as this server last wrote or read it
     b"q" + name       -> id of the state to publish under the name ("async"), or b""
                          to delete the name on the remote
+    b"f" + key        -> pid and time of the process fetching the blob now (a claim)
 """
 
 import concurrent.futures
 import hashlib
+import os
 import struct
 import time
 
@@ -44,8 +46,6 @@ from storage.store import Store, StoreError, StoreFull, decode_record, encode_ma
 
 # The empty starting state: every server makes its own, so it is never shared.
 UNSHARED = frozenset({"initial"})
-# Fetched blobs are written to the cache in transactions of about this many bytes.
-_BATCH_BYTES = 64 * 2 ** 20
 
 
 def open_store(settings):
@@ -77,6 +77,8 @@ class CachedStore(Store):
         self.trust_s = settings["store.remote_grace_hours"] * 3600 / 2
         self.parallel = settings["store.remote_parallel"]
         self.head_min_bytes = settings["store.remote_head_min_bytes"]
+        # A claim to fetch a blob lapses after the longest one request may take.
+        self.claim_s = settings["store.remote_timeout_s"] * settings["store.remote_attempts"]
         self._pending = {}  # records of the state being published, not yet in LMDB
 
     # Read through --------------------------------------------------------
@@ -85,38 +87,76 @@ class CachedStore(Store):
         """The payload of blob `key`: from the cache, else from the remote (then cached)."""
         if key in self._pending:
             return decode_record(self._pending[key])
-        try:
-            return super().blob(key)
-        except StoreError:
-            return self.fetch([key], keep=True)[key]
+        for _ in range(2):  # a second time if it was evicted at once (a tiny cache)
+            try:
+                return super().blob(key)
+            except StoreError:
+                self.fetch([key])
+        return super().blob(key)
 
     def chunk_list(self, key):
         """The chunk keys of a chunk list, the chunks the cache lacks fetched at once."""
         keys = super().chunk_list(key)
-        self.fetch(self.missing(keys) - self._pending.keys())
+        self.fetch(keys)
         return keys
 
-    def fetch(self, keys, keep=False):
-        """Download blobs into the cache, each checked against its key.
+    def fetch(self, keys):
+        """Download into the cache the blobs among `keys` it lacks, each checked.
 
-        Returns {key: payload} when `keep`, else {}. Refuses (StoreError) a
-        blob the remote lacks or whose content does not hash to its key.
+        Refuses (StoreError) a blob the remote lacks or whose content does
+        not hash to its key. Several processes of the server may restore
+        one state at once (a holder loading in the background, the child
+        whose cell needs the same value): each claims the blobs it fetches,
+        a window at a time, and waits for the blobs another live process
+        claimed instead of downloading them again.
         """
-        kept, batch, size = {}, [], 0
-        for key, record, modified, payload in self.each(self._download, keys):
-            if keep:
-                kept[key] = payload
-            batch.append((key, record, modified))
-            size += len(record)
-            if size >= _BATCH_BYTES:
-                self._cache(batch)
-                batch, size = [], 0
-        self._cache(batch)
+        todo = [k for k in dict.fromkeys(keys) if k not in self._pending]
+        window = 2 * self.parallel
+        for start in range(0, len(todo), window):
+            mine, theirs = self._claim(todo[start:start + window])
+            self._fetch_claimed(mine)
+            self._await(theirs)
         self._evict()
-        return kept
+
+    def _fetch_claimed(self, keys):
+        """Download and cache blobs this process claimed; the claims go either way."""
+        fetched = []
+        try:
+            fetched.extend(self.each(self._download, keys))
+        finally:
+            self._cache(fetched, keys)
+
+    def _claim(self, keys):
+        """(keys this process now fetches, keys another live process is fetching)."""
+        mine, theirs = [], []
+        now = time.time()
+        with self.env.begin(write=True) as txn:
+            for key in keys:
+                raw = bytes.fromhex(key)
+                if txn.get(raw, db=self.blobs) is not None:
+                    continue
+                claim = txn.get(b"f" + raw, db=self.book)
+                if claim is not None:
+                    pid, since = struct.unpack(">Id", claim)
+                    if now - since < self.claim_s and _alive(pid):
+                        theirs.append(key)
+                        continue
+                txn.put(b"f" + raw, struct.pack(">Id", os.getpid(), now), db=self.book)
+                mine.append(key)
+        return mine, theirs
+
+    def _await(self, keys):
+        """Wait for blobs other processes claimed; fetch those whose claim lapsed."""
+        while keys:
+            time.sleep(0.01)
+            missing = self.missing(keys)
+            if missing:
+                mine, missing = self._claim(missing)
+                self._fetch_claimed(mine)
+            keys = missing
 
     def _download(self, key):
-        """(key, record, LastModified, payload) of a blob from the remote, verified."""
+        """(key, record, LastModified) of a blob from the remote, verified."""
         got = self.remote.get_blob(key)
         if got is None:
             raise StoreError(f"blob {key} is neither in the cache at {self.path} nor on "
@@ -130,19 +170,21 @@ class CachedStore(Store):
         if hashlib.sha256(payload).hexdigest() != key:
             raise StoreError(f"blob {key} from {self.remote.url} does not hash to its key; "
                              f"refused. Run scripts/check_store.py --remote")
-        return key, record, modified, payload
+        return key, record, modified
 
-    def _cache(self, batch):
-        """Write fetched blob records, marked as on the remote since their LastModified."""
-        if not batch:
+    def _cache(self, fetched, claimed):
+        """Write fetched blobs (on the remote since their LastModified); drop the claims."""
+        if not claimed:
             return
         try:
             with self.env.begin(write=True) as txn:
-                for key, record, modified in batch:
+                for key, record, modified in fetched:
                     raw = bytes.fromhex(key)
                     txn.put(raw, record, db=self.blobs)
                     txn.put(b"k" + raw, _time(modified), db=self.book)
                     txn.put(b"c" + struct.pack(">Q", time.time_ns()) + raw, b"", db=self.book)
+                for key in claimed:
+                    txn.delete(b"f" + bytes.fromhex(key), db=self.book)
         except lmdb.MapFullError:
             raise StoreFull(f"the store at {self.path} is full (max_store_gb); lower "
                             f"cache_gb below it") from None
@@ -314,3 +356,14 @@ class CachedStore(Store):
 def _since(raw):
     """A stored bookkeeping time, or 0 when there is none."""
     return 0.0 if raw is None else struct.unpack(">d", raw)[0]
+
+
+def _alive(pid):
+    """True if process `pid` exists."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass
+    return True

@@ -21,19 +21,23 @@ ask an address on the network, are taken out of boto3's chain. Every error
 becomes a StoreError subclass with a sentence saying what to do:
 `RemoteUnavailable` (no answer, time-out, 5xx: try again later) or
 `RemoteError` (credentials, permissions, a missing bucket: fix the setup).
-Each process makes its own client; a forked process drops the connections
-it inherited (they belong to its parent) and keeps the loaded client.
+A process makes its client once; a forked process keeps the client it
+inherited (the warm zygote makes one before forking holders) but closes
+the inherited connections, which belong to its parent.
 """
 
 import os
+import threading
 import urllib.parse
-import weakref
 
 from storage.store import StoreError, decode_manifest, encode_manifest
 
 # Credential providers of botocore that ask the network (an EC2/ECS metadata address).
 _NETWORK_PROVIDERS = ("container-role", "iam-role")
-_clients = weakref.WeakSet()
+# This process's clients by endpoint and settings. Forked processes keep them (making
+# one costs 5 to 150 ms, more than a cell), less the parent's connections.
+_clients = {}
+_clients_lock = threading.Lock()  # boto3 sessions must not be made by two threads at once
 
 
 class RemoteError(StoreError):
@@ -50,7 +54,7 @@ class NameConflict(StoreError):
 
 def _forget_inherited_connections():
     """In a forked child: close the sockets inherited from the parent's clients."""
-    for client in list(_clients):
+    for client in _clients.values():
         client.close()
 
 
@@ -80,17 +84,19 @@ class RemoteStore:
         self.bucket, self.prefix = parse_url(url)
         self.endpoint = endpoint or None
         self.settings = settings
-        self._client = None
 
     # The client ----------------------------------------------------------
 
     @property
     def client(self):
-        """This process's boto3 S3 client."""
-        if self._client is None:
-            self._client = self._make_client()
-            _clients.add(self._client)
-        return self._client
+        """This process's boto3 S3 client for this endpoint."""
+        s = self.settings
+        key = (self.endpoint, s["store.remote_timeout_s"], s["store.remote_attempts"],
+               s["store.remote_parallel"])
+        with _clients_lock:
+            if key not in _clients:
+                _clients[key] = self._make_client()
+            return _clients[key]
 
     def _make_client(self):
         """A boto3 client: AWS environment/profile credentials, our time-outs and retries."""
