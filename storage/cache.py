@@ -5,8 +5,8 @@ instead of a plain `Store`: the same LMDB environment and interface, plus
 
 - read through: a blob the cache lacks is fetched from the remote, checked
   against its key (SHA-256 of the payload) and kept; the chunks of a
-  large buffer are fetched in parallel as soon as its chunk list is read,
-  so a restore still loads the groups a cell needs first;
+  large buffer are fetched a window at a time, in parallel, as the restore
+  reads them, so a restore still loads the groups a cell needs first;
 - write through (`durability = "sync"`): before the state is written
   locally, its blobs go to the remote (`If-None-Match: *`), then its name
   record (compare-and-swap on the ETag). An unreachable remote or a lost
@@ -46,6 +46,8 @@ from storage.store import Store, StoreError, StoreFull, decode_record, encode_ma
 
 # The empty starting state: every server makes its own, so it is never shared.
 UNSHARED = frozenset({"initial"})
+# Chunks remembered for reading ahead (about 64 GiB of 1 MiB chunks) before starting over.
+_READ_AHEAD_KEYS = 2 ** 16
 
 
 def open_store(settings):
@@ -80,24 +82,33 @@ class CachedStore(Store):
         # A claim to fetch a blob lapses after the longest one request may take.
         self.claim_s = settings["store.remote_timeout_s"] * settings["store.remote_attempts"]
         self._pending = {}  # records of the state being published, not yet in LMDB
+        self._chunk_of = {}  # chunk key -> (its chunk list, its place), for reading ahead
 
     # Read through --------------------------------------------------------
 
     def blob(self, key):
-        """The payload of blob `key`: from the cache, else from the remote (then cached)."""
+        """The payload of blob `key`: from the cache, else from the remote (then cached).
+
+        A missing chunk of a buffer whose chunk list was read is fetched
+        with the chunks after it (2 x remote_parallel at a time, in
+        parallel): a restore reads a buffer's chunks in order.
+        """
         if key in self._pending:
             return decode_record(self._pending[key])
         for _ in range(2):  # a second time if it was evicted at once (a tiny cache)
             try:
                 return super().blob(key)
             except StoreError:
-                self.fetch([key])
+                listing, at = self._chunk_of.get(key, ([key], 0))
+                self.fetch(listing[at:at + 2 * self.parallel])
         return super().blob(key)
 
     def chunk_list(self, key):
-        """The chunk keys of a chunk list, the chunks the cache lacks fetched at once."""
+        """The chunk keys of a chunk list, remembered for reading ahead (see blob)."""
         keys = super().chunk_list(key)
-        self.fetch(keys)
+        if len(self._chunk_of) > _READ_AHEAD_KEYS:
+            self._chunk_of.clear()
+        self._chunk_of.update((k, (keys, i)) for i, k in enumerate(keys))
         return keys
 
     def fetch(self, keys):
