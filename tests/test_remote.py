@@ -118,6 +118,19 @@ def test_rebinding_race_between_two_servers(s3, make_server):
     assert conflicts >= 1
 
 
+def test_async_rebinding_keeps_the_state_made_last(s3, make_server):
+    """Async: both servers answer at once; the state created last wins on both."""
+    bucket = s3.bucket()
+    a = make_server(config=s3.config(bucket, "async"))
+    b = make_server(config=s3.config(bucket, "async"))
+    a.execute("who = 'a'", new="x")
+    b.execute("who = 'b'", new="x")  # made later, whether b has seen a's x yet or not
+    for srv in (a, b):
+        wait_for(lambda: srv.value("x", "who") == "'b'", "the later state on both servers")
+    record = s3.client.get_object(Bucket=bucket, Key="states/names/x")["Body"].read()
+    assert decode_manifest(record)["variables"]["who"]["repr"] == "'b'"
+
+
 def test_a_server_that_lost_its_cache_recovers_every_state(s3, make_server, tmp_path):
     """Delete a server's whole store folder: every state comes back from the remote."""
     bucket = s3.bucket()
