@@ -74,8 +74,8 @@ def _check_remote(flat):
         raise ConfigError(str(exc)) from None
     if not 0 < flat["store.cache_gb"] < flat["store.max_store_gb"]:
         raise ConfigError("store.cache_gb must be more than 0 and less than max_store_gb")
-    for key in ("remote_timeout_s", "remote_refresh_s", "remote_retry_s",
-                "remote_grace_hours"):
+    for key in ("remote_timeout_s", "remote_refresh_s", "remote_list_wait_s",
+                "remote_retry_s", "remote_grace_hours"):
         if flat[f"store.{key}"] < 0:
             raise ConfigError(f"store.{key} must be 0 or more")
     for key in ("remote_attempts", "remote_parallel"):

@@ -32,11 +32,13 @@ states. --compact writes a compacted copy and swaps it in. Exit status: 0 done, 
 With --remote the rules apply to the names of the S3-compatible store of
 `store.remote`, while servers keep running on it: a name is deleted only if
 its record is still the one read (If-Match), and a blob only if no name
-references it AND the remote last wrote it more than --grace ago
-(remote_grace_hours by default), because a server may be uploading a new
-state's blobs before its name record, or reusing an old blob (it renews
-the blob's time first: storage/cache.py). Each blob's time is read once
-more just before it is deleted.
+references it, no name has referenced it for --grace (remote_grace_hours
+by default; the first run that finds a blob unreferenced notes the time
+in PREFIX/gc/unreferenced.json), AND the remote last wrote it more than
+--grace ago. A server may be uploading a new state's blobs before its name
+record, or reusing blobs of a state it saw bound a moment ago, or an old
+blob (which it renews first): storage/cache.py. Each blob's time is read
+once more just before it is deleted.
 """
 
 import os
@@ -409,21 +411,25 @@ def run_remote(args, settings, out):
         if name not in doomed:
             referenced |= reader.referenced(manifest)
     cutoff = (now - grace).timestamp()
-    orphans = [k for k, (modified, _) in listed.items()
-               if k not in referenced and modified < cutoff]
-    young = sum(1 for k in listed if k not in referenced) - len(orphans)
+    marks = remote.gc_marks()
+    unreferenced = {k: marks.get(k, now.timestamp()) for k in listed if k not in referenced}
+    orphans = [k for k, since in unreferenced.items()
+               if since <= cutoff and listed[k][0] <= cutoff]
     freed = 0
     for key in orphans:
+        unreferenced.pop(key)
         if args.dry_run:
             freed += listed[key][1]
             continue
         modified = remote.head_blob(key)
-        if modified is not None and modified < cutoff:  # not renewed by a server since
+        if modified is not None and modified <= cutoff:  # not renewed by a server since
             remote.delete_blob(key)
             freed += listed[key][1]
-    out(f"{verb} {len(orphans)} unreferenced blob(s) older than "
-        f"{grace.total_seconds() / 3600:g} h, freeing "
-        f"{human(freed)}; kept {young} younger unreferenced blob(s)")
+    if not args.dry_run:
+        remote.put_gc_marks(unreferenced)
+    out(f"{verb} {len(orphans)} blob(s) unreferenced and unwritten for "
+        f"{grace.total_seconds() / 3600:g} h, freeing {human(freed)}; kept "
+        f"{len(unreferenced)} unreferenced blob(s) until then")
     out(f"{len(manifests) - len(doomed)} state(s) and {len(referenced)} blob(s) remain "
         f"on {remote.url}")
     return 0

@@ -17,17 +17,22 @@ instead of a plain `Store`: the same LMDB environment and interface, plus
   oldest arrival first. Blobs the remote does not have yet never are.
 
 Blobs are reused across states and servers, so a blob this server
-believes the remote has may have been garbage-collected since (by
-scripts/gc_states.py, which deletes unreferenced blobs older than
-`remote_grace_hours`). So a state is published only with blobs known fresh
-on the remote within half that period; an older one is freshened (copied
-onto itself, which renews its LastModified) or sent again.
+believes the remote has may have been garbage-collected since:
+scripts/gc_states.py --remote deletes a blob once it has been unreferenced
+for `remote_grace_hours` and the remote last wrote it longer ago than
+that. So a state is published only with blobs that are safe for half that
+period: those its parent names while the parent was bound on the remote
+that recently, those written or verified fresh that recently; any other
+is looked at (HEAD) and, if old, freshened (copied onto itself, which
+renews its LastModified) or sent again.
 
 Bookkeeping lives in the LMDB database `remote`, beside `blobs` and `states`:
 
     b"k" + key        -> when the remote's copy was last known fresh (8-byte float)
     b"c" + ns + key   -> b"": blobs cached here and on the remote, by arrival (ns)
-    b"e" + name       -> ETag of the name's record as this server last wrote or read it
+    b"e" + name       -> when this server last wrote or read the name's record (8-byte
+                         float), then the record's ETag
+    b"L"              -> when the last complete look at the remote's names began
     b"q" + name       -> id of the state to publish under the name ("async"), or b""
                          to delete the name on the remote
     b"f" + key        -> pid and time of the process fetching the blob now (a claim)
@@ -237,13 +242,31 @@ class CachedStore(Store):
 
         Returns (new ETag, {blob key: time known fresh}). Raises
         RemoteUnavailable or NameConflict with nothing of the name changed.
+        Blobs are taken as safe on the remote, with no request, when known
+        fresh there, or when the parent state names them and was bound on
+        the remote less than half the grace period ago (gc deletes only
+        blobs unreferenced for the whole grace period).
         """
-        keys = self.referenced(manifest)
+        keys = self.referenced(manifest) - self._bound_parent_blobs(manifest)
         stale = time.time() - self.trust_s
         with self.env.begin(db=self.book) as txn:
             todo = [k for k in keys if _since(txn.get(b"k" + bytes.fromhex(k))) < stale]
         fresh = dict(self.each(self._upload, todo))
         return self.remote.put_name(name, manifest, self.etag(name)), fresh
+
+    def _bound_parent_blobs(self, manifest):
+        """The blobs of the manifest's parent if its record was on the remote recently."""
+        parent = manifest.get("parent")
+        cached = parent and self.manifest(parent)
+        if not cached or cached["id"] != manifest.get("parent_id"):
+            return set()
+        with self.env.begin(db=self.book) as txn:
+            seen = txn.get(b"e" + parent.encode())
+            looked = _since(txn.get(b"L"))
+            queued = txn.get(b"q" + parent.encode()) is not None  # not on the remote yet
+        if queued or seen is None or max(looked, _since(seen[:8])) < time.time() - self.trust_s:
+            return set()
+        return self.referenced(cached)
 
     def _upload(self, key):
         """(key, time it is fresh from): make sure the remote has a fresh copy of a blob."""
@@ -272,33 +295,37 @@ class CachedStore(Store):
             return txn.get(bytes.fromhex(key))
 
     def note(self, name, etag, fresh):
-        """Remember a name's new ETag and blobs now fresh on the remote."""
+        """Remember a name's new ETag and the blobs now fresh on the remote."""
         with self.env.begin(db=self.book, write=True) as txn:
             for key, since in fresh.items():
                 raw = bytes.fromhex(key)
                 if txn.get(b"k" + raw) is None:
                     txn.put(b"c" + struct.pack(">Q", time.time_ns()) + raw, b"")
                 txn.put(b"k" + raw, _time(since))
-            if name is not None:
-                txn.put(b"e" + name.encode(), etag.encode())
+            txn.put(b"e" + name.encode(), _time(time.time()) + etag.encode())
 
     def etag(self, name):
         """The ETag of `name`'s record as last seen here, or None."""
         with self.env.begin(db=self.book) as txn:
             raw = txn.get(b"e" + name.encode())
-        return None if raw is None else raw.decode()
+        return None if raw is None else raw[8:].decode()
 
     # Names and the publishing queue (the server process) ----------------
 
     def etags(self):
         """{name: ETag} of every name this server knows the remote has."""
-        return {k[1:].decode(): v.decode() for k, v in self._prefixed(b"e")}
+        return {k[1:].decode(): v[8:].decode() for k, v in self._prefixed(b"e")}
+
+    def looked(self, at):
+        """Every ETag known here was the remote's at time `at` (a complete look)."""
+        with self.env.begin(db=self.book, write=True) as txn:
+            txn.put(b"L", _time(at))
 
     def take(self, name, manifest, etag):
         """Cache the remote's record of `name`: its manifest and ETag."""
         with self.env.begin(write=True) as txn:
             txn.put(name.encode(), encode_manifest(manifest), db=self.states)
-            txn.put(b"e" + name.encode(), etag.encode(), db=self.book)
+            txn.put(b"e" + name.encode(), _time(time.time()) + etag.encode(), db=self.book)
 
     def drop(self, name):
         """Forget a name the remote no longer has: its cached manifest and ETag."""

@@ -42,11 +42,14 @@ class Publisher:
         self.remote = store.remote
         self.refresh_s = settings["store.remote_refresh_s"]
         self.retry_s = settings["store.remote_retry_s"]
+        self.list_wait_s = settings["store.remote_list_wait_s"]
         self.look_lock = threading.Lock()
         self.last_look = 0.0  # time.monotonic() of the last listing
         self.quiet_until = 0.0  # after a failed listing, none before this
         self.taken = {}  # names the publishing thread took from the remote, for `changes`
         self.taken_lock = threading.Lock()
+        self.looked = threading.Event()  # set while no listing is under way
+        self.looked.set()
         self.wake = threading.Event()
 
     def start(self):
@@ -69,28 +72,48 @@ class Publisher:
     def changes(self, name=None):
         """{name: manifest, or None if deleted} changed on the remote since the last call.
 
-        With `name`, that name's record is read now; otherwise the list of
-        names, if the last look is older than remote_refresh_s. While the
-        remote is unreachable this answers from what is known.
+        With `name`, that name's record is read now. Otherwise the list of
+        names is read if the last look is older than remote_refresh_s, in a
+        thread of its own waited for at most remote_list_wait_s: a remote
+        that hangs delays no request longer. While the remote is
+        unreachable this answers from what is known.
         """
+        if time.monotonic() >= self.quiet_until:
+            if name is not None:
+                self._guarded(lambda: self._take(self._look_name(name)))
+            elif time.monotonic() - self.last_look >= self.refresh_s and self.looked.is_set():
+                self.looked.clear()
+                threading.Thread(target=self._look_in_thread, name="remote-names",
+                                 daemon=True).start()
+                self.looked.wait(self.list_wait_s)
         with self.taken_lock:
             found, self.taken = self.taken, {}
-        now = time.monotonic()
-        if now < self.quiet_until:
-            return found
+        return found
+
+    def _look_in_thread(self):
+        """Read the list of names for `changes` (then let it go on)."""
+        try:
+            self._guarded(lambda: self._take(self._look()))
+        finally:
+            self.looked.set()
+
+    def _guarded(self, look):
+        """Run a look at the remote; while it is unreachable, no looks for remote_retry_s."""
         try:
             with self.look_lock:
-                if name is not None:
-                    found.update(self._look_name(name))
-                elif time.monotonic() - self.last_look >= self.refresh_s:
-                    found.update(self._look())
+                look()
         except RemoteUnavailable as exc:
             log.warning("the remote's names are not refreshed: %s", exc)
             self.quiet_until = time.monotonic() + self.retry_s
-        return found
+
+    def _take(self, found):
+        """Hand changes found on the remote to the next `changes` call."""
+        with self.taken_lock:
+            self.taken.update(found)
 
     def _look(self, queue_local=False):
         """Read the remote's list of names; cache what changed; return the changes."""
+        began = time.time()
         listing = self.remote.names()
         self.last_look = time.monotonic()
         etags, queued = self.store.etags(), self.store.queued()
@@ -104,6 +127,7 @@ class Publisher:
         for name in etags.keys() - listing.keys() - queued.keys():
             self.store.drop(name)
             found[name] = None
+        self.store.looked(began)
         if queue_local:
             # States this store held before `remote` was set (or written just before a crash).
             for name, manifest in self.store.manifests().items():
@@ -200,8 +224,7 @@ class Publisher:
                     # Theirs was made last: it wins here too.
                     self.store.take(name, theirs, etag)
                     self.store.unqueue(name, state_id)
-                    with self.taken_lock:
-                        self.taken[name] = theirs
+                    self._take({name: theirs})
                     return
                 self.store.note(name, etag, {})
         else:

@@ -7,6 +7,8 @@ Several servers share one bucket prefix, `s3://BUCKET/PREFIX`:
                             that pays), written once with If-None-Match: *
     PREFIX/names/<quoted>   the manifest (zstd JSON) a state name points to; the
                             name is percent-quoted, so any name is one key
+    PREFIX/gc/unreferenced.json   when scripts/gc_states.py first found each
+                            unreferenced blob unreferenced
 
 A name record is created with If-None-Match: * and replaced or deleted only
 with If-Match on the ETag its writer last saw, so two servers rebinding one
@@ -26,6 +28,7 @@ inherited (the warm zygote makes one before forking holders) but closes
 the inherited connections, which belong to its parent.
 """
 
+import json
 import os
 import threading
 import urllib.parse
@@ -197,6 +200,21 @@ class RemoteStore:
     def delete_blob(self, key):
         """Remove blob `key` (absent is fine)."""
         self._call("delete_object", Key=self._blob_key(key))
+
+    def gc_marks(self):
+        """{blob key: when scripts/gc_states.py first found it unreferenced} (epoch)."""
+        answer = self._call("get_object", Key=f"{self.prefix}gc/unreferenced.json")
+        if answer in (404, 412):
+            return {}
+        try:
+            return json.loads(answer["Body"].read())
+        except ValueError:
+            return {}  # damaged: the grace period starts again for every blob
+
+    def put_gc_marks(self, marks):
+        """Replace the record of when blobs were first found unreferenced."""
+        self._call("put_object", Key=f"{self.prefix}gc/unreferenced.json",
+                   Body=json.dumps(marks).encode())
 
     # Names ---------------------------------------------------------------
 

@@ -37,10 +37,10 @@ def hashes(srv, state, names):
     return r.json()["hashes"]
 
 
-def blob_puts(s3, bucket, key):
-    """How many PUT requests for blob `key` in `bucket` the S3 server has logged."""
+def blob_requests(s3, bucket, method, key):
+    """How many `method` requests for blob `key` in `bucket` the S3 server has logged."""
     with open(s3.log_path, errors="replace") as f:
-        return len(re.findall(rf'"PUT /{bucket}/states/blobs/{key} ', f.read()))
+        return len(re.findall(rf'"{method} /{bucket}/states/blobs/{key} ', f.read()))
 
 
 def test_two_servers_run_from_each_others_states(s3, make_server):
@@ -49,7 +49,13 @@ def test_two_servers_run_from_each_others_states(s3, make_server):
     a, b = make_server(config=s3.config(bucket)), make_server(config=s3.config(bucket))
     a.execute(BIG + "\nlabel = 'from a'", new="base")
     assert "base" in b.get("/states").json()["states"]
+    chunks = [k for k, item in s3.objects(bucket, "blobs").items() if item["Size"] > 2 ** 18]
+    assert len(chunks) == 12
+    heads = [blob_requests(s3, bucket, "HEAD", k) for k in chunks]
     b.execute("total = int(big.sum())\nlabel = label + ', then b'", state="base", new="next")
+    # b published a state with a's 12 chunks without asking the remote about them: it
+    # fetched them a moment ago, and its parent, bound there a moment ago, names them.
+    assert [blob_requests(s3, bucket, "HEAD", k) for k in chunks] == heads
     a.execute("check = total == int(big.sum())", state="next", new="checked")
     for srv in (a, b):
         assert srv.value("checked", "(check, label, total)") == \
@@ -72,7 +78,7 @@ def test_a_blob_both_servers_make_is_stored_and_sent_once(s3, make_server):
     assert len(chunks) == 12
     assert hashes(a, "on-a", ["big"]) == hashes(b, "on-b", ["big"])
     for key in chunks:
-        assert blob_puts(s3, bucket, key) == 1
+        assert blob_requests(s3, bucket, "PUT", key) == 1
         assert after[key]["LastModified"] == before[key]["LastModified"]
     assert len(after) - len(before) <= 1  # b's own pickle payload at most (the same bytes)
 
