@@ -116,7 +116,7 @@ def restore(s3, tmp, mb):
             seconds, _ = timed(warm, cell, "big")
         finally:
             warm.stop()
-        rows.append((f"the same after a restart, from the filled local cache",
+        rows.append(("the same after a restart, from the filled local cache",
                      f"{seconds:.2f} s"))
     return rows
 
