@@ -116,7 +116,7 @@ def document(version="0.3.0"):
                                  ["exec_id", "state_name"]),
             "responses": _answer(_EXECUTE_ANSWER, "The cell's outputs and the new state's "
                                  "name; a missing input state is error StateNotFound",
-                                 body_errors + (409, 500, 507))}},
+                                 body_errors + (409, 500, 503, 507))}},
         "/multistate_execute": {"post": {
             "summary": "Run a cell with states under aliases; nothing is stored",
             "requestBody": _body({"code": {"type": "string", "nullable": True},
@@ -128,7 +128,7 @@ def document(version="0.3.0"):
                                   "stream": _STREAM},
                                  ["exec_id", "state_mapping"]),
             "responses": _answer(_EXECUTE_ANSWER, "The cell's outputs; state_name is null",
-                                 body_errors + (409, 500))}},
+                                 body_errors + (409, 500, 503))}},
         "/states": {"get": {
             "summary": "Every state name, oldest first",
             "responses": _answer({"type": "object", "required": ["states"],
@@ -154,7 +154,7 @@ def document(version="0.3.0"):
                 "parameters": _name_param(),
                 "responses": _answer({"type": "object", "required": ["deleted"],
                                       "properties": {"deleted": {"type": "string"}}},
-                                     "Deleted", (400, 401, 404, 409, 507))}},
+                                     "Deleted", (400, 401, 404, 409, 503, 507))}},
         "/symbol_hashes": {"post": {
             "summary": "Content hashes of variables, from the manifest",
             "requestBody": _body({"state_name": _STATE_NAME, "symbols": _NAMES,
@@ -181,12 +181,13 @@ def document(version="0.3.0"):
                                                          "fingerprints"],
                                       properties=dict(_GROUPS["properties"],
                                                       state_name={"type": "string"})),
-                                 "The new state", body_errors + (404, 500, 507))}},
+                                 "The new state", body_errors + (404, 409, 500, 503, 507))}},
         "/reset": {"post": {
-            "summary": "Drop every state; an empty `initial` remains (no body needed)",
+            "summary": "Drop every state; an empty `initial` remains (no body needed; "
+                       "409 with a shared remote store)",
             "responses": _answer({"type": "object", "required": ["status"],
                                   "properties": {"status": {"type": "string"}}}, "Done",
-                                 (400, 401, 507))}},
+                                 (400, 401, 409, 507))}},
         "/interrupt": {"post": {
             "summary": "SIGINT the execution `exec_id`, SIGKILL after interrupt_grace_s",
             "requestBody": _body({"exec_id": _EXEC_ID}, ["exec_id"]),
