@@ -11,14 +11,39 @@ import time
 import numpy as np
 import pytest
 
-from conftest import ROOT
+from conftest import ROOT, Server
 from storage.store import Store, decode_manifest, decode_record, referenced_blobs
 
-# 12 MB that do not compress, so 12 chunks of 1 MiB on the remote too.
-BIG = ("import numpy as np\n"
-       "big = np.random.default_rng(0).integers(0, 2 ** 40, 1_500_000, dtype=np.int64)")
-BIG_SUM = str(int(np.random.default_rng(0).integers(0, 2 ** 40, 1_500_000,
-                                                    dtype=np.int64).sum()))
+BIG_LEN = 500_000  # 4 MB of int64 below 2 ** 40: 4 chunks, each over 256 KiB zstd'ed
+
+
+def big(seed=0):
+    """(code making `big`, a random int64 array, and the text of its sum)."""
+    code = (f"import numpy as np\nbig = np.random.default_rng({seed}).integers("
+            f"0, 2 ** 40, {BIG_LEN}, dtype=np.int64)")
+    values = np.random.default_rng(seed).integers(0, 2 ** 40, BIG_LEN, dtype=np.int64)
+    return code, str(int(values.sum()))
+
+
+BIG, BIG_SUM = big()
+
+
+@pytest.fixture(scope="module")
+def pair(s3, tmp_path_factory):
+    """(bucket, a, b): two sync servers on one bucket, for the tests that neither
+    restart them nor break the bucket (each uses state names of its own)."""
+    bucket = s3.bucket()
+    folder = tmp_path_factory.mktemp("pair")
+    servers = [Server(folder / name, config=s3.config(bucket)) for name in ("a", "b")]
+    yield bucket, *servers
+    for srv in servers:
+        srv.stop()
+
+
+def new_chunks(s3, bucket, before):
+    """Keys of the blobs over 256 KiB in `bucket` that are not in `before`."""
+    return [k for k, item in s3.objects(bucket, "blobs").items()
+            if item["Size"] > 2 ** 18 and k not in before]
 
 
 def wait_for(condition, what, timeout=30):
@@ -43,17 +68,17 @@ def blob_requests(s3, bucket, method, key):
         return len(re.findall(rf'"{method} /{bucket}/states/blobs/{key} ', f.read()))
 
 
-def test_two_servers_run_from_each_others_states(s3, make_server):
+def test_two_servers_run_from_each_others_states(s3, pair):
     """Each server lists and runs from the other's states, with the same values and hashes."""
-    bucket = s3.bucket()
-    a, b = make_server(config=s3.config(bucket)), make_server(config=s3.config(bucket))
+    bucket, a, b = pair
+    before = s3.objects(bucket, "blobs")
     a.execute(BIG + "\nlabel = 'from a'", new="base")
     assert "base" in b.get("/states").json()["states"]
-    chunks = [k for k, item in s3.objects(bucket, "blobs").items() if item["Size"] > 2 ** 18]
-    assert len(chunks) == 12
+    chunks = new_chunks(s3, bucket, before)
+    assert len(chunks) == 4
     heads = [blob_requests(s3, bucket, "HEAD", k) for k in chunks]
     b.execute("total = int(big.sum())\nlabel = label + ', then b'", state="base", new="next")
-    # b published a state with a's 12 chunks without asking the remote about them: it
+    # b published a state with a's chunks without asking the remote about them: it
     # fetched them a moment ago, and its parent, bound there a moment ago, names them.
     assert [blob_requests(s3, bucket, "HEAD", k) for k in chunks] == heads
     a.execute("check = total == int(big.sum())", state="next", new="checked")
@@ -65,17 +90,17 @@ def test_two_servers_run_from_each_others_states(s3, make_server):
     assert b.get("/states/checked").json()["parent"] == "next"
 
 
-def test_a_blob_both_servers_make_is_stored_and_sent_once(s3, make_server):
+def test_a_blob_both_servers_make_is_stored_and_sent_once(s3, pair):
     """The same value made on two servers is one object on the remote, uploaded once."""
-    bucket = s3.bucket()
-    a = make_server(config=s3.config(bucket))
-    a.execute(BIG, new="on-a")
+    bucket, a, b = pair
+    code, _ = big(seed=1)
+    start = s3.objects(bucket, "blobs")
+    a.execute(code, new="on-a")
     before = s3.objects(bucket, "blobs")
-    b = make_server(config=s3.config(bucket))
-    b.execute(BIG, new="on-b")  # computed again on b, not restored from a's state
+    chunks = new_chunks(s3, bucket, start)
+    assert len(chunks) == 4
+    b.execute(code, new="on-b")  # computed again on b, not restored from a's state
     after = s3.objects(bucket, "blobs")
-    chunks = [k for k, item in before.items() if item["Size"] > 2 ** 18]
-    assert len(chunks) == 12
     assert hashes(a, "on-a", ["big"]) == hashes(b, "on-b", ["big"])
     for key in chunks:
         assert blob_requests(s3, bucket, "PUT", key) == 1
@@ -83,11 +108,10 @@ def test_a_blob_both_servers_make_is_stored_and_sent_once(s3, make_server):
     assert len(after) - len(before) <= 1  # b's own pickle payload at most (the same bytes)
 
 
-def test_rebinding_race_between_two_servers(s3, make_server):
+def test_rebinding_race_between_two_servers(s3, pair):
     """Two servers rebinding one name at once: one wins each round, the other gets 409
     and, having learnt the winner's record, rebinds the name over it when it runs again."""
-    bucket = s3.bucket()
-    a, b = make_server(config=s3.config(bucket)), make_server(config=s3.config(bucket))
+    bucket, a, b = pair
     a.execute("who = 'first'", new="x")
     b.get("/states")
     conflicts = 0
@@ -216,13 +240,12 @@ def record_blobs(s3, bucket, name):
     return referenced_blobs(decode_manifest(record))
 
 
-def test_gc_with_two_servers_running(s3, make_server, tmp_path):
+def test_gc_with_two_servers_running(s3, pair, make_server, tmp_path):
     """gc --remote deletes only unreferenced blobs older than the grace period; both
     servers go on running from every state left, and the remote checks sound."""
-    bucket = s3.bucket()
+    bucket, a, b = pair
     config = tmp_path / "remote.toml"
     config.write_text(s3.config(bucket))
-    a, b = make_server(config=s3.config(bucket)), make_server(config=s3.config(bucket))
     a.execute(BIG, new="keep")
     b.execute("import numpy as np\ngone = np.ones(400_000)", new="doomed")
     b.execute("kept = 7", state="keep", new="keep2")
@@ -268,11 +291,15 @@ def test_the_cache_stays_within_cache_gb(s3, make_server, tmp_path):
     """Past cache_gb the blobs the remote has are evicted; the states still restore."""
     bucket = s3.bucket()
     data = tmp_path / "small-cache"
-    config = s3.config(bucket, extra="cache_gb = 0.02\n")  # 20 MiB
+    config = s3.config(bucket, extra="cache_gb = 0.01\n")  # 10 MiB
     a = make_server(data, config=config)
-    for i in range(3):
-        a.execute(f"import numpy as np\nv{i} = np.full(1_500_000, {i})", new=f"s{i}")
+    sums = {}
+    for i in range(3):  # 3 x 8 MB that do not compress
+        a.execute(f"import numpy as np\nv{i} = np.frombuffer(np.random.default_rng({i})"
+                  f".bytes(8_000_000), dtype=np.uint8).copy()", new=f"s{i}")
+        sums[i] = a.value(f"s{i}", f"int(v{i}.sum())")
     a.stop()
+    stored = sum(item["Size"] for item in s3.objects(bucket, "blobs").values())
     store = Store(str(data), readonly=True)
     try:
         with store.env.begin() as txn:
@@ -281,10 +308,11 @@ def test_the_cache_stays_within_cache_gb(s3, make_server, tmp_path):
             stat["psize"]
     finally:
         store.env.close()
-    assert used <= 0.02 * 2 ** 30
+    assert stored > 2 * 0.01 * 2 ** 30  # so the cache had to evict
+    assert used <= 0.01 * 2 ** 30
     a = make_server(data, config=config)
     for i in range(3):
-        assert a.value(f"s{i}", f"int(v{i}.sum())") == str(1_500_000 * i)
+        assert a.value(f"s{i}", f"int(v{i}.sum())") == sums[i]
 
 
 def test_without_boto3_the_server_says_how_to_install_it(s3, tmp_path):
@@ -301,10 +329,9 @@ def test_without_boto3_the_server_says_how_to_install_it(s3, tmp_path):
     assert "pip install -e '.[s3]'" in proc.stderr, proc.stderr
 
 
-def test_blob_records_on_the_remote_are_the_cache_records(s3, make_server):
+def test_blob_records_on_the_remote_are_the_cache_records(s3, pair):
     """Each blob object is the LMDB record of its key: the payload hashes to the key."""
-    bucket = s3.bucket()
-    a = make_server(config=s3.config(bucket))
+    bucket, a, _ = pair
     a.execute("import numpy as np\nm = np.eye(300)\nt = ('x' * 5000,)", new="s")
     for key in s3.objects(bucket, "blobs"):
         record = s3.client.get_object(Bucket=bucket, Key=f"states/blobs/{key}")["Body"].read()
