@@ -42,7 +42,7 @@ import zstandard  # noqa: E402
 
 from kernel import config as config_mod  # noqa: E402
 from storage.remote import RemoteStore  # noqa: E402
-from storage.store import Store, StoreError, decode_manifest, decode_record  # noqa: E402
+from storage.store import Store, StoreError, decode_manifest  # noqa: E402
 
 DATA_FILE = "data.mdb"
 _LISTED = 20  # unreferenced blobs listed by key; the rest are only counted
@@ -64,36 +64,19 @@ def parse_args(argv):
     return p.parse_args(argv)
 
 
-class RemoteView:
-    """The remote store, seen as `check` sees a local one."""
+def remote_snapshot(remote):
+    """({state: stored manifest bytes}, [blob key bytes]) of a remote, as read_snapshot.
 
-    def __init__(self, remote):
-        """Read through `remote` (a storage.remote.RemoteStore)."""
-        self.remote = remote
-        self.path = remote.url
-
-    def snapshot(self):
-        """({state: stored manifest bytes}, [blob key bytes]), as read_snapshot gives.
-
-        Blobs are listed first: a state published meanwhile may then name
-        a blob not listed, which is still checked (as referenced).
-        """
-        keys = [bytes.fromhex(k) if _is_key(k) else k.encode() for k in self.remote.blobs()]
-        manifests = {}
-        for name in self.remote.names():
-            got = self.remote.name_record(name)
-            if got is not None:  # deleted since the listing
-                manifests[name] = got[0]
-        return manifests, keys
-
-    def blob(self, key):
-        """The payload of blob `key`; StoreError if the remote lacks it."""
-        got = self.remote.get_blob(key)
-        if got is None:
-            raise StoreError(f"blob {key} is missing")
-        return decode_record(got[0])
-
-    chunk_list = Store.chunk_list
+    Blobs are listed first: a state published meanwhile may then name a
+    blob not listed, which is still checked (as referenced).
+    """
+    keys = [bytes.fromhex(k) if _is_key(k) else k.encode() for k in remote.blobs()]
+    manifests = {}
+    for name in remote.names():
+        got = remote.name_record(name)
+        if got is not None:  # deleted since the listing
+            manifests[name] = got[0]
+    return manifests, keys
 
 
 def read_snapshot(store):
@@ -170,7 +153,7 @@ def _is_key(key):
 
 def check(store, out=print):
     """Check the store, print the findings; returns the exit status (0 or 1)."""
-    raw_manifests, raw_keys = (store.snapshot() if isinstance(store, RemoteView)
+    raw_manifests, raw_keys = (remote_snapshot(store) if isinstance(store, RemoteStore)
                                else read_snapshot(store))
     problems = []  # (state, group members, key, problem)
     referenced = {}  # key -> [(state, members, role)]
@@ -258,7 +241,7 @@ def check_remote(settings):
         return 2
     remote = RemoteStore(settings["store.remote"], settings["store.remote_endpoint"], settings)
     try:
-        return check(RemoteView(remote))
+        return check(remote)
     except StoreError as exc:
         print(f"check_store.py: error: {exc}", file=sys.stderr)
         return 1

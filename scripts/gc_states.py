@@ -59,7 +59,7 @@ import lmdb  # noqa: E402
 
 from kernel import config as config_mod  # noqa: E402
 from storage.remote import NameConflict, RemoteStore  # noqa: E402
-from storage.store import Store, StoreError, decode_record, try_server_lock  # noqa: E402
+from storage.store import Store, StoreError, try_server_lock  # noqa: E402
 
 INITIAL = "initial"
 DATA_FILE = "data.mdb"
@@ -355,25 +355,6 @@ def _collect(store, data_dir, args, out):
     return 0
 
 
-class RemoteBlobs:
-    """Blob reads from the remote, for Store.referenced (chunk lists)."""
-
-    def __init__(self, remote):
-        """Read through `remote`."""
-        self.remote = remote
-
-    def blob(self, key):
-        """The payload of blob `key`; StoreError if the remote lacks it."""
-        got = self.remote.get_blob(key)
-        if got is None:
-            raise StoreError(f"blob {key} is missing from {self.remote.url}; nothing was "
-                             f"deleted. Run scripts/check_store.py --remote")
-        return decode_record(got[0])
-
-    chunk_list = Store.chunk_list
-    referenced = Store.referenced
-
-
 def run_remote(args, settings, out):
     """Apply the rules to the remote's names, then delete old unreferenced blobs."""
     if not settings["store.remote"]:
@@ -405,11 +386,10 @@ def run_remote(args, settings, out):
         except NameConflict:
             out(f"  {name}: kept, rebound by a server meanwhile")
             doomed.remove(name)
-    reader = RemoteBlobs(remote)
     referenced = set()
     for name, manifest in manifests.items():
         if name not in doomed:
-            referenced |= reader.referenced(manifest)
+            referenced |= remote.referenced(manifest)  # StoreCorrupt: nothing more deleted
     cutoff = (now - grace).timestamp()
     marks = remote.gc_marks()
     unreferenced = {k: marks.get(k, now.timestamp()) for k in listed if k not in referenced}

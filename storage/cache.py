@@ -44,10 +44,8 @@ import os
 import struct
 import time
 
-import lmdb
-
 from storage.remote import RemoteStore
-from storage.store import Store, StoreError, StoreFull, decode_record, encode_manifest
+from storage.store import Store, StoreCorrupt, decode_record, encode_manifest
 
 # The empty starting state: every server makes its own, so it is never shared.
 UNSHARED = frozenset({"initial"})
@@ -99,13 +97,12 @@ class CachedStore(Store):
         parallel): a restore reads a buffer's chunks in order.
         """
         if key in self._pending:
-            return decode_record(self._pending[key])
+            return _verified(self._pending[key], key, "the state being saved")
         for _ in range(2):  # a second time if it was evicted at once (a tiny cache)
-            try:
-                return super().blob(key)
-            except StoreError:
-                listing, at = self._chunk_of.get(key, ([key], 0))
-                self.fetch(listing[at:at + 2 * self.parallel])
+            if not self.missing([key]):
+                return super().blob(key)  # StoreCorrupt if damaged here
+            listing, at = self._chunk_of.get(key, ([key], 0))
+            self.fetch(listing[at:at + 2 * self.parallel])
         return super().blob(key)
 
     def chunk_list(self, key):
@@ -119,7 +116,7 @@ class CachedStore(Store):
     def fetch(self, keys):
         """Download into the cache the blobs among `keys` it lacks, each checked.
 
-        Refuses (StoreError) a blob the remote lacks or whose content does
+        Refuses (StoreCorrupt) a blob the remote lacks or whose content does
         not hash to its key. Several processes of the server may restore
         one state at once (a holder loading in the background, the child
         whose cell needs the same value): each claims the blobs it fetches,
@@ -146,7 +143,7 @@ class CachedStore(Store):
         """(keys this process now fetches, keys another live process is fetching)."""
         mine, theirs = [], []
         now = time.time()
-        with self.env.begin(write=True) as txn:
+        with self._writing(), self.env.begin(write=True) as txn:
             for key in keys:
                 raw = bytes.fromhex(key)
                 if txn.get(raw, db=self.blobs) is not None:
@@ -175,35 +172,28 @@ class CachedStore(Store):
         """(key, record, LastModified) of a blob from the remote, verified."""
         got = self.remote.get_blob(key)
         if got is None:
-            raise StoreError(f"blob {key} is neither in the cache at {self.path} nor on "
-                             f"{self.remote.url}; run scripts/check_store.py --remote")
+            raise StoreCorrupt(f"blob {key} is neither in the cache at {self.path} nor on "
+                               f"{self.remote.url}; run scripts/check_store.py --remote")
         record, modified = got
-        try:
-            payload = decode_record(record)
-        except Exception as exc:  # a damaged zstd frame
-            raise StoreError(f"blob {key} from {self.remote.url} cannot be decompressed "
-                             f"({exc}); refused. Run scripts/check_store.py --remote") from None
-        if hashlib.sha256(payload).hexdigest() != key:
-            raise StoreError(f"blob {key} from {self.remote.url} does not hash to its key; "
-                             f"refused. Run scripts/check_store.py --remote")
+        # Its checksum catches damage on the way; its key, a wrong blob under the key.
+        if hashlib.sha256(_verified(record, key, self.remote.url)).hexdigest() != key:
+            raise StoreCorrupt(f"blob {key} from {self.remote.url} does not hash to its key; "
+                               f"refused. Run scripts/check_store.py --remote")
         return key, record, modified
 
     def _cache(self, fetched, claimed):
         """Write fetched blobs (on the remote since their LastModified); drop the claims."""
         if not claimed:
             return
-        try:
-            with self.env.begin(write=True) as txn:
-                for key, record, modified in fetched:
-                    raw = bytes.fromhex(key)
-                    txn.put(raw, record, db=self.blobs)
-                    txn.put(b"k" + raw, _time(modified), db=self.book)
-                    txn.put(b"c" + struct.pack(">Q", time.time_ns()) + raw, b"", db=self.book)
-                for key in claimed:
-                    txn.delete(b"f" + bytes.fromhex(key), db=self.book)
-        except lmdb.MapFullError:
-            raise StoreFull(f"the store at {self.path} is full (max_store_gb); lower "
-                            f"cache_gb below it") from None
+        size = sum(len(record) for _, record, _ in fetched)
+        with self._writing(size), self.env.begin(write=True) as txn:
+            for key, record, modified in fetched:
+                raw = bytes.fromhex(key)
+                txn.put(raw, record, db=self.blobs)
+                txn.put(b"k" + raw, _time(modified), db=self.book)
+                txn.put(b"c" + struct.pack(">Q", time.time_ns()) + raw, b"", db=self.book)
+            for key in claimed:
+                txn.delete(b"f" + bytes.fromhex(key), db=self.book)
 
     def each(self, work, items):
         """work(item) for every item, `remote_parallel` at a time; results in order.
@@ -280,9 +270,9 @@ class CachedStore(Store):
             if modified is not None and self.remote.freshen(key):
                 return key, now
         if record is None:
-            raise StoreError(f"blob {key} is neither in the cache at {self.path} nor on "
-                             f"{self.remote.url} (garbage-collected while this server held "
-                             f"a state using it); run the cells that made it again")
+            raise StoreCorrupt(f"blob {key} is neither in the cache at {self.path} nor on "
+                               f"{self.remote.url} (garbage-collected while this server "
+                               f"held a state using it); run the cells that made it again")
         if not self.remote.put_blob(key, record) and not self.remote.freshen(key):
             self.remote.put_blob(key, record)  # deleted between the two calls
         return key, now
@@ -296,7 +286,7 @@ class CachedStore(Store):
 
     def note(self, name, etag, fresh):
         """Remember a name's new ETag and the blobs now fresh on the remote."""
-        with self.env.begin(db=self.book, write=True) as txn:
+        with self._writing(), self.env.begin(db=self.book, write=True) as txn:
             for key, since in fresh.items():
                 raw = bytes.fromhex(key)
                 if txn.get(b"k" + raw) is None:
@@ -318,34 +308,34 @@ class CachedStore(Store):
 
     def looked(self, at):
         """Every ETag known here was the remote's at time `at` (a complete look)."""
-        with self.env.begin(db=self.book, write=True) as txn:
+        with self._writing(), self.env.begin(db=self.book, write=True) as txn:
             txn.put(b"L", _time(at))
 
     def take(self, name, manifest, etag):
         """Cache the remote's record of `name`: its manifest and ETag."""
-        with self.env.begin(write=True) as txn:
+        with self._writing(), self.env.begin(write=True) as txn:
             txn.put(name.encode(), encode_manifest(manifest), db=self.states)
             txn.put(b"e" + name.encode(), _time(time.time()) + etag.encode(), db=self.book)
 
     def drop(self, name):
         """Forget a name the remote no longer has: its cached manifest and ETag."""
-        with self.env.begin(write=True) as txn:
+        with self._writing(), self.env.begin(write=True) as txn:
             txn.delete(name.encode(), db=self.states)
             txn.delete(b"e" + name.encode(), db=self.book)
 
     def forget_etag(self, name):
         """Forget the ETag of `name` (the remote has no record of it now)."""
-        with self.env.begin(db=self.book, write=True) as txn:
+        with self._writing(), self.env.begin(db=self.book, write=True) as txn:
             txn.delete(b"e" + name.encode())
 
     def queue(self, name, state_id):
         """Publish state `state_id` under `name` later ("" = delete the name remotely)."""
-        with self.env.begin(db=self.book, write=True) as txn:
+        with self._writing(), self.env.begin(db=self.book, write=True) as txn:
             txn.put(b"q" + name.encode(), state_id.encode())
 
     def unqueue(self, name, state_id):
         """Drop the queue entry of `name` if it still asks for `state_id`."""
-        with self.env.begin(db=self.book, write=True) as txn:
+        with self._writing(), self.env.begin(db=self.book, write=True) as txn:
             if txn.get(b"q" + name.encode()) == state_id.encode():
                 txn.delete(b"q" + name.encode())
 
@@ -379,7 +369,7 @@ class CachedStore(Store):
         if excess <= 0:
             return
         excess += self.cache_bytes // 10  # so that not every write evicts
-        with self.env.begin(write=True) as txn:
+        with self._writing(), self.env.begin(write=True) as txn:
             cursor = txn.cursor(db=self.book)
             found = cursor.set_range(b"c")
             while found and excess > 0 and cursor.key()[:1] == b"c":
@@ -405,3 +395,12 @@ def _alive(pid):
     except PermissionError:
         pass
     return True
+
+
+def _verified(record, key, where):
+    """The payload of blob record `record`; StoreCorrupt if it fails its checksum."""
+    problem, payload = decode_record(record, key)
+    if problem:
+        raise StoreCorrupt(f"blob {key} from {where} is {problem}; refused. Run "
+                           f"scripts/check_store.py --remote")
+    return payload

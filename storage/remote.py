@@ -33,7 +33,7 @@ import os
 import threading
 import urllib.parse
 
-from storage.store import StoreError, decode_manifest, encode_manifest
+from storage.store import Store, StoreError, decode_manifest, decode_record, encode_manifest
 
 # Credential providers of botocore that ask the network (an EC2/ECS metadata address).
 _NETWORK_PROVIDERS = ("container-role", "iam-role")
@@ -189,6 +189,19 @@ class RemoteStore:
                             CopySource={"Bucket": self.bucket, "Key": self._blob_key(key)},
                             MetadataDirective="REPLACE", Metadata={"freshened": "1"})
         return answer not in (404, 412)
+
+    # The reading side of Store's interface, for scripts/check_store.py and gc_states.py.
+    path = property(lambda self: self.url)
+    blob = Store.blob
+    chunk_list = Store.chunk_list
+    referenced = Store.referenced
+
+    def read_blob(self, key):
+        """(None, verified payload) of blob `key`, or (what is wrong with it, None)."""
+        got = self.get_blob(key)
+        if got is None:
+            return "missing from the remote", None
+        return decode_record(got[0], key)
 
     def blobs(self):
         """{key: (LastModified epoch, size)} of every blob on the remote."""

@@ -278,9 +278,10 @@ def test_a_blob_that_does_not_hash_to_its_key_is_refused(s3, make_server, tmp_pa
     key = next(k for k in blobs if blobs[k]["Size"] < 2000)
     s3.client.put_object(Bucket=bucket, Key=f"states/blobs/{key}", Body=b"Rnot the payload")
     b = make_server(config=s3.config(bucket))
-    answer = b.execute("len(payload)", state="s", ok=False)
-    assert answer["error"] is not None and "does not hash to its key" in \
-        answer["error"]["evalue"]
+    r = b.post("/execute", {"code": "len(payload)", "exec_id": "damaged", "state_name": "s"})
+    assert r.status_code == 500, r.text
+    assert r.json()["error"]["type"] == "StoreCorrupt"
+    assert "does not hash to its key" in r.json()["error"]["message"]
     config = tmp_path / "remote.toml"
     config.write_text(s3.config(bucket))
     status, out = run_script("scripts/check_store.py", "--remote", "--config", str(config))
@@ -335,4 +336,5 @@ def test_blob_records_on_the_remote_are_the_cache_records(s3, pair):
     a.execute("import numpy as np\nm = np.eye(300)\nt = ('x' * 5000,)", new="s")
     for key in s3.objects(bucket, "blobs"):
         record = s3.client.get_object(Bucket=bucket, Key=f"states/blobs/{key}")["Body"].read()
-        assert hashlib.sha256(decode_record(record)).hexdigest() == key
+        problem, payload = decode_record(record, key)
+        assert problem is None and hashlib.sha256(payload).hexdigest() == key
