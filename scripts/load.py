@@ -28,18 +28,14 @@ import argparse
 import json
 import math
 import os
-import platform
 import random
 import re
-import signal
-import subprocess
 import sys
 import tempfile
 import threading
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from faults import ROOT, Server, alive  # noqa: E402
+from harness import ROOT, Server, alive, machine, revision
 
 sys.path.insert(0, ROOT)
 from kernel import config  # noqa: E402
@@ -199,29 +195,6 @@ def write_section(path, text):
         f.write(new)
 
 
-def machine():
-    """A one-line description of this machine."""
-    model = ""
-    try:
-        with open("/proc/cpuinfo") as f:
-            model = next((line.split(":", 1)[1].strip() for line in f
-                          if line.startswith("model name")), "")
-    except OSError:
-        pass
-    mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2 ** 30
-    return (f"{os.cpu_count()} cores ({model or platform.machine()}), {mem:.0f} GiB RAM, "
-            f"Linux {platform.release()}, Python {platform.python_version()}")
-
-
-def commit():
-    """The short hash of the checked-out commit ("unknown" outside git)."""
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT,
-                              capture_output=True, text=True, check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
-
-
 def main(argv=None):
     """Run the load; exit status 0 if every check passed."""
     p = argparse.ArgumentParser(description="Concurrent clients against one server")
@@ -235,8 +208,7 @@ def main(argv=None):
     args = p.parse_args(argv)
     load_before = os.getloadavg()[0]
     work = tempfile.mkdtemp(prefix="snapk-load-")
-    log = open(os.path.join(work, "server.log"), "ab")
-    server = Server(os.path.join(work, "store"), log)
+    server = Server(os.path.join(work, "store"), log_path=os.path.join(work, "server.log"))
     rng = random.Random(args.seed)
     problems, alone = [], None
     try:
@@ -269,9 +241,7 @@ def main(argv=None):
                             f"with {spares} spare(s) each")
     finally:
         workers = server.workers()
-        server.proc.send_signal(signal.SIGTERM)
-        server.proc.wait(30)
-        log.close()
+        server.stop()
     time.sleep(1)
     leaked = [w for w in workers if alive(w)]
     if leaked:
@@ -306,7 +276,7 @@ def main(argv=None):
         write_section(args.write_benchmarks, f"""## Load
 
 `python scripts/load.py --clients {args.clients} --per-client {args.per_client}` on
-{machine()}; commit {commit()}, {time.strftime("%Y-%m-%d %H:%M", time.gmtime())} UTC;
+{machine()}; commit {revision()}, {time.strftime("%Y-%m-%d %H:%M", time.gmtime())} UTC;
 load average {load_before:.1f} when it started (the machine is shared with other jobs).
 
 {args.clients} concurrent clients, {args.per_client} operations each, against one server with
