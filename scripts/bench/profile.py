@@ -1,0 +1,154 @@
+"""`bench.py --profile`: where this server's time goes, from the stamps its processes write.
+
+The server runs alone with `server.trace_file` set, so that every one of its
+processes appends a stamp for each phase of each request (kernel/trace.py:
+CLOCK_MONOTONIC, one file). The bench adds two stamps of its own per request,
+on the same clock: "client send" just before the request is written and
+"client done" once the answer is read. For each request, its stamps are put
+in time order across processes; a step is the time between two consecutive
+ones, named by them ("server sent → child received"). The table gives each
+step's median per workload and pause between cells.
+"""
+
+import collections
+import json
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+
+from bench.peers import Ours
+from bench.workloads import MB, READS, UPDATE_SETUP, frame_cell
+from harness import ROOT
+
+sys.path.insert(0, ROOT)  # this checkout's kernel/, not an installed one
+from kernel import trace  # noqa: E402
+
+# What the step between two stamps is, by their phases (roles vary by process).
+STEPS = {
+    ("send", "request"): "HTTP in: the request reaches its route",
+    ("request", "sent"): "server: a child for the state, the request sent to it",
+    ("sent", "received"): "server → child",
+    ("received", "compiled"): "child: compile (read analysis)",
+    ("compiled", "ran"): "child: run the cell",
+    ("ran", "saved"): "child: save the state",
+    ("saved", "answered"): "child: the answer sent",
+    ("answered", "answer"): "child → server",
+    ("answer", "reply"): "server: the reply made",
+    ("reply", "done"): "HTTP out: the reply reaches the client",
+}
+ROUND_TRIP = "round trip (client send → client done)"
+
+
+def client_stamps(exec_id, sent, done):
+    """The bench's two stamps of one request, shaped as kernel/trace.py's."""
+    return [{"t": sent, "pid": os.getpid(), "role": "client", "phase": "send", "exec": exec_id},
+            {"t": done, "pid": os.getpid(), "role": "client", "phase": "done", "exec": exec_id}]
+
+
+def steps(stamps):
+    """{exec_id: [(step, seconds), ...]}: consecutive stamps of each request, in time order."""
+    by_exec = collections.defaultdict(list)
+    for s in stamps:
+        if s["exec"] is not None:
+            by_exec[s["exec"]].append(s)
+    out = {}
+    for exec_id, mine in by_exec.items():
+        mine.sort(key=lambda s: s["t"])
+        out[exec_id] = [(f"{a['role']} {a['phase']} → {b['role']} {b['phase']}", b["t"] - a["t"])
+                        for a, b in zip(mine, mine[1:])]
+        ends = {s["phase"]: s["t"] for s in mine if s["role"] == "client"}
+        if "send" in ends and "done" in ends:
+            out[exec_id].insert(0, (ROUND_TRIP, ends["done"] - ends["send"]))
+    return out
+
+
+def summarise(stamps, columns):
+    """Rows [(step, {column: (median ms, count)})] for `columns` {title: exec ids}.
+
+    Steps are in the order they usually happen (their mean position in a
+    request); the client's round trip, put first by `steps`, stays first.
+    """
+    per_exec = steps(stamps)
+    durations = collections.defaultdict(lambda: collections.defaultdict(list))
+    positions = collections.defaultdict(list)
+    for title, exec_ids in columns.items():
+        for exec_id in exec_ids:
+            for position, (step, seconds) in enumerate(per_exec.get(exec_id, ())):
+                durations[step][title].append(seconds * 1e3)
+                positions[step].append(position)
+    order = sorted(durations, key=lambda step: statistics.mean(positions[step]))
+    return [(step, {title: (statistics.median(ms), len(ms))
+                    for title, ms in durations[step].items()}) for step in order]
+
+
+def describe(step):
+    """What a step is, when its two phases are known."""
+    if step == ROUND_TRIP:
+        return "what the client sees"
+    first, _, second = step.partition(" → ")
+    return STEPS.get((first.split(" ", 1)[-1], second.split(" ", 1)[-1]), "")
+
+
+def markdown(rows, titles):
+    """The rows as a table: a column per workload, each cell "median (n=count)"."""
+    head = ["step (median ms)", "what"] + list(titles)
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for step, cells in rows:
+        values = [f"{cells[t][0]:.2f} (n={cells[t][1]})" if t in cells else "-" for t in titles]
+        lines.append("| " + " | ".join([step, describe(step)] + values) + " |")
+    return "\n".join(lines)
+
+
+def untagged(stamps):
+    """"role phase ×count" of the stamps that belong to no request."""
+    counts = collections.Counter(f"{s['role']} {s['phase']}" for s in stamps
+                                 if s["exec"] is None)
+    return ", ".join(f"{name} ×{n}" for name, n in sorted(counts.items()))
+
+
+def profile(gaps, quick):
+    """Run this server on a (0 B, 100 MB) and b3 with each pause in `gaps`; print the table."""
+    tmp = tempfile.mkdtemp(prefix="snapshot-bench-profile-")
+    path = os.path.join(tmp, "trace.jsonl")
+    # A JSON string is a TOML basic string.
+    peer = Ours(tmp, config=f"[server]\ntrace_file = {json.dumps(path)}\n")
+    peer.start()
+    cells = 10 if quick else 30
+    columns, ours = {}, []
+    try:
+        peer.must(frame_cell(0), new="p0")
+        peer.must(frame_cell(100 * MB), new="p100")
+        peer.must(UPDATE_SETUP, new="p-b3")
+        for gap in gaps:
+            for name, base, codes, chain in (
+                    ("a: x += 1, 0 B", "p0", ["x += 1"] * cells, False),
+                    ("a: x += 1, 100 MB", "p100", ["x += 1"] * cells, False),
+                    ("b3: read-only cells, 1M rows", "p-b3", (READS * 3)[:cells], True)):
+                title = f"{name}, {gap} s pause"
+                columns[title] = []
+                state = base
+                for i, code in enumerate(codes):
+                    time.sleep(gap)
+                    exec_id = f"profile-{len(columns)}-{i}"
+                    answer = peer.execute(code, state, exec_id=exec_id)[1]
+                    if answer.get("error"):
+                        raise RuntimeError(f"{code!r} failed: {answer['error']}")
+                    ours += client_stamps(exec_id, *peer.client.times())
+                    columns[title].append(exec_id)
+                    if chain:
+                        state = answer["state_name"]
+                    else:
+                        peer.delete(answer["state_name"])
+    finally:
+        peer.stop()  # every process has written its stamps once the server is gone
+    stamps = trace.read(path) + ours
+    table = markdown(summarise(stamps, columns), list(columns))
+    print(table)
+    others = untagged(stamps)
+    if others:
+        print(f"\nStamps of no request: {others}.")
+    shutil.rmtree(tmp, ignore_errors=True)
+    return table
