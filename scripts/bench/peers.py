@@ -101,7 +101,7 @@ class Peer:
     """One server under test, with its files under `workdir/<kind>`."""
 
     kind = title = None
-    states = True       # named states: a cell runs from any of them
+    states = True       # named states a cell runs from (else one namespace)
     persists = False    # what it holds survives a restart
     interrupts = True   # a running cell can be interrupted
 
@@ -109,11 +109,6 @@ class Peer:
         """Prepare (not start) the peer."""
         self.dir = os.path.join(workdir, self.kind)
         os.makedirs(self.dir, exist_ok=True)
-
-    @property
-    def one_namespace(self):
-        """True for peers without states: every cell runs in the one namespace."""
-        return not self.states
 
     def must(self, code, state="initial", new=None):
         """Execute and fail loudly if the cell raised; returns (seconds, answer)."""

@@ -57,7 +57,7 @@ def wl_trivial(peers, p, table, details, keep):
         label = ("0 B" if size == 0 else fmt_size(size)) + (" str" if strings else "")
         base = f"a-{label}".replace(" ", "")
         for peer in peers.values():
-            if peer.one_namespace:
+            if not peer.states:
                 peer.reset()  # start from an empty namespace, as the other peers do
             peer.must(frame_cell(size, strings), new=base)
             peer.delete(peer.must("x += 1", base)[1]["state_name"])  # warm-up, not counted
@@ -121,7 +121,7 @@ def wl_sequence(peers, name, setup, cells):
     """Run a notebook's cells in order on every peer: per-cell latency and store growth."""
     per = {}
     for peer in peers.values():
-        if peer.one_namespace:
+        if not peer.states:
             peer.reset()
         state = peer.must(setup, new=f"{name}-0")[1]["state_name"]
         rows = []
@@ -249,7 +249,7 @@ def wl_parallel(peers, p, table, details, keep):
     n = p["parallel_cells"]
     gains = {}
     for peer in peers.values():
-        if peer.one_namespace:
+        if not peer.states:
             gains[peer.kind] = "n/a (one namespace)"
             continue
         base = peer.must(SETUP + "w = np.ones(1000)", new="f-base")[1]["state_name"]
