@@ -144,6 +144,10 @@ def profile(gaps, quick):
                         peer.delete(answer["state_name"])
     finally:
         peer.stop()  # every process has written its stamps once the server is gone
+    if not os.path.exists(path):
+        shutil.rmtree(tmp, ignore_errors=True)
+        sys.exit("bench.py --profile: the server wrote no stamps with server.trace_file set "
+                 "(see kernel/trace.py)")
     stamps = trace.read(path) + ours
     table = markdown(summarise(stamps, columns), list(columns))
     print(table)
