@@ -74,7 +74,9 @@ def test_profile_of_a_trace_file(tmp_path):
         server = [(base + 0.001, "request"), (base + 0.0015, "sent"),
                   (base + 0.004 + run_s, "answer"), (base + 0.0042 + run_s, "reply")]
         lines += [stamp(t, 7, "child", p, exec_id) for t, p in child]
-        lines += [stamp(t, 5, "server", p, exec_id) for t, p in server]
+        # The HTTP layer's stamps may carry no exec_id: the client's window places them.
+        lines += [stamp(t, 5, "server", p, None if p in ("request", "reply") and exec_id in
+                        ("e1", "e2") else exec_id) for t, p in server]
     lines.append(stamp(150.0, 8, "holder", "forked", None))
     path = tmp_path / "trace.jsonl"
     path.write_text("\n".join(lines) + "\n")
@@ -144,3 +146,31 @@ def test_command_line_refuses_bad_input():
                              capture_output=True, text=True, timeout=60)
         assert run.returncode == 2, run.stderr
         assert message in run.stderr and "Traceback" not in run.stderr
+
+
+def test_profile_of_a_real_server_covers_every_phase(tmp_path):
+    """Our server with server.trace_file set stamps every phase of each request, in order."""
+    path = tmp_path / "trace.jsonl"
+    ours = peers.Ours(str(tmp_path), config=f"[server]\ntrace_file = {json.dumps(str(path))}\n")
+    ours.start()
+    ids, client, state = [], [], "initial"
+    try:
+        for i in range(3):
+            exec_id = f"t{i}"
+            answer = ours.execute("x = 0" if i == 0 else "x += 1", state, exec_id=exec_id)[1]
+            assert answer["error"] is None, answer["error"]
+            state = answer["state_name"]
+            ids.append(exec_id)
+            client += profile.client_stamps(exec_id, *ours.client.times())
+    finally:
+        ours.stop()
+    stamps = trace.read(str(path)) + client
+    expected = ["send", "request", "sent", "received", "compiled", "ran", "saved", "answered",
+                "answer", "reply", "done"]
+    requests = profile.by_request(stamps)
+    for exec_id in ids:
+        phases = [s["phase"] for s in requests[exec_id]]
+        assert [p for p in phases if p in expected] == expected, phases
+    rows = profile.summarise(stamps, {"chain": ids})
+    assert rows[0][0] == profile.ROUND_TRIP and rows[0][1]["chain"][1] == 3
+    assert all(cells["chain"][0] >= 0 for _, cells in rows)

@@ -10,6 +10,7 @@ ones, named by them ("server sent → child received"). The table gives each
 step's median per workload and pause between cells.
 """
 
+import bisect
 import collections
 import json
 import os
@@ -48,15 +49,34 @@ def client_stamps(exec_id, sent, done):
             {"t": done, "pid": os.getpid(), "role": "client", "phase": "done", "exec": exec_id}]
 
 
-def steps(stamps):
-    """{exec_id: [(step, seconds), ...]}: consecutive stamps of each request, in time order."""
-    by_exec = collections.defaultdict(list)
+def by_request(stamps):
+    """{exec_id: its stamps in time order}.
+
+    A stamp without an exec_id (the HTTP layer does not know it) belongs to
+    the request whose client window (send to done) holds it: the profile
+    sends one request at a time, so at most one window does.
+    """
+    mine = collections.defaultdict(list)
     for s in stamps:
         if s["exec"] is not None:
-            by_exec[s["exec"]].append(s)
+            mine[s["exec"]].append(s)
+    windows = sorted((min(t), max(t), exec_id) for exec_id, t in (
+        (e, [s["t"] for s in ss if s["role"] == "client"]) for e, ss in mine.items()) if t)
+    starts = [w[0] for w in windows]
+    for s in stamps:
+        if s["exec"] is None:
+            i = bisect.bisect_right(starts, s["t"]) - 1
+            if i >= 0 and s["t"] <= windows[i][1]:
+                mine[windows[i][2]].append(s)
+    for ss in mine.values():
+        ss.sort(key=lambda s: s["t"])
+    return mine
+
+
+def steps(stamps):
+    """{exec_id: [(step, seconds), ...]}: consecutive stamps of each request, in time order."""
     out = {}
-    for exec_id, mine in by_exec.items():
-        mine.sort(key=lambda s: s["t"])
+    for exec_id, mine in by_request(stamps).items():
         out[exec_id] = [(f"{a['role']} {a['phase']} → {b['role']} {b['phase']}", b["t"] - a["t"])
                         for a, b in zip(mine, mine[1:])]
         ends = {s["phase"]: s["t"] for s in mine if s["role"] == "client"}
@@ -104,8 +124,9 @@ def markdown(rows, titles):
 
 def untagged(stamps):
     """"role phase ×count" of the stamps that belong to no request."""
+    counted = {id(s) for ss in by_request(stamps).values() for s in ss}
     counts = collections.Counter(f"{s['role']} {s['phase']}" for s in stamps
-                                 if s["exec"] is None)
+                                 if id(s) not in counted)
     return ", ".join(f"{name} ×{n}" for name, n in sorted(counts.items()))
 
 
