@@ -5,9 +5,9 @@ processes appends a stamp for each phase of each request (kernel/trace.py:
 CLOCK_MONOTONIC, one file). The bench adds two stamps of its own per request,
 on the same clock: "client send" just before the request is written and
 "client done" once the answer is read. For each request, its stamps are put
-in time order across processes; a step is the time between two consecutive
-ones, named by them ("server sent → child received"). The table gives each
-step's median per workload and pause between cells.
+in time order across processes; the table gives, for each stamp ("role
+phase"), the median time since the stamp before it, per workload and pause
+between cells.
 """
 
 import bisect
@@ -27,20 +27,20 @@ from harness import ROOT
 sys.path.insert(0, ROOT)  # this checkout's kernel/, not an installed one
 from kernel import trace  # noqa: E402
 
-# What the step between two stamps is, by their phases (roles vary by process).
-STEPS = {
-    ("send", "request"): "HTTP in: the request reaches its route",
-    ("request", "sent"): "server: a child for the state, the request sent to it",
-    ("sent", "received"): "server → child",
-    ("received", "compiled"): "child: compile (read analysis)",
-    ("compiled", "ran"): "child: run the cell",
-    ("ran", "saved"): "child: save the state",
-    ("saved", "answered"): "child: the answer sent",
-    ("answered", "answer"): "child → server",
-    ("answer", "reply"): "server: the reply made",
-    ("reply", "done"): "HTTP out: the reply reaches the client",
+# What happens before a stamp of each phase, from the usual stamp before it.
+PHASES = {
+    "request": "HTTP in: the request reaches its route",
+    "sent": "server: a child for the state, the request sent to it",
+    "received": "server → child: the child has the request",
+    "compiled": "child: compile (read analysis)",
+    "ran": "child: run the cell",
+    "saved": "child: save the state",
+    "answered": "child: the answer written",
+    "answer": "child → server: the answer read",
+    "reply": "server: the reply made",
+    "done": "HTTP out: the reply read by the client",
 }
-ROUND_TRIP = "round trip (client send → client done)"
+ROUND_TRIP = "round trip"
 
 
 def client_stamps(exec_id, sent, done):
@@ -74,51 +74,61 @@ def by_request(stamps):
 
 
 def steps(stamps):
-    """{exec_id: [(step, seconds), ...]}: consecutive stamps of each request, in time order."""
+    """{exec_id: [(stamp, stamp before it, seconds between them)]}, in time order.
+
+    A stamp is named "role phase"; the first is (ROUND_TRIP, None, client
+    send to client done) when the bench stamped both.
+    """
     out = {}
     for exec_id, mine in by_request(stamps).items():
-        out[exec_id] = [(f"{a['role']} {a['phase']} → {b['role']} {b['phase']}", b["t"] - a["t"])
-                        for a, b in zip(mine, mine[1:])]
+        names = [f"{s['role']} {s['phase']}" for s in mine]
+        out[exec_id] = [(name, before, b["t"] - a["t"])
+                        for a, b, before, name in zip(mine, mine[1:], names, names[1:])]
         ends = {s["phase"]: s["t"] for s in mine if s["role"] == "client"}
         if "send" in ends and "done" in ends:
-            out[exec_id].insert(0, (ROUND_TRIP, ends["done"] - ends["send"]))
+            out[exec_id].insert(0, (ROUND_TRIP, None, ends["done"] - ends["send"]))
     return out
 
 
 def summarise(stamps, columns):
-    """Rows [(step, {column: (median ms, count)})] for `columns` {title: exec ids}.
+    """Rows [(stamp, usual stamp before it, {column: (median ms, count)})].
 
-    Steps are in the order they usually happen (their mean position in a
-    request); the client's round trip, put first by `steps`, stays first.
+    For `columns` {title: exec ids}: the time from the stamp before each one
+    (in any process) to it. Rows are in the order the stamps usually come
+    (their mean position in a request); races between processes (a child
+    stamping "answered" after the server has read the answer) change which
+    stamp comes before, not the rows.
     """
-    per_exec = steps(stamps)
     durations = collections.defaultdict(lambda: collections.defaultdict(list))
     positions = collections.defaultdict(list)
+    before = collections.defaultdict(collections.Counter)
+    per_exec = steps(stamps)
     for title, exec_ids in columns.items():
         for exec_id in exec_ids:
-            for position, (step, seconds) in enumerate(per_exec.get(exec_id, ())):
-                durations[step][title].append(seconds * 1e3)
-                positions[step].append(position)
-    order = sorted(durations, key=lambda step: statistics.mean(positions[step]))
-    return [(step, {title: (statistics.median(ms), len(ms))
-                    for title, ms in durations[step].items()}) for step in order]
+            for position, (name, prior, seconds) in enumerate(per_exec.get(exec_id, ())):
+                durations[name][title].append(seconds * 1e3)
+                positions[name].append(position)
+                before[name][prior] += 1
+    order = sorted(durations, key=lambda name: statistics.mean(positions[name]))
+    return [(name, before[name].most_common(1)[0][0],
+             {title: (statistics.median(ms), len(ms)) for title, ms in durations[name].items()})
+            for name in order]
 
 
-def describe(step):
-    """What a step is, when its two phases are known."""
-    if step == ROUND_TRIP:
-        return "what the client sees"
-    first, _, second = step.partition(" → ")
-    return STEPS.get((first.split(" ", 1)[-1], second.split(" ", 1)[-1]), "")
+def describe(name):
+    """What happens before a stamp `name` ("role phase")."""
+    if name == ROUND_TRIP:
+        return "client send → client done"
+    return PHASES.get(name.split(" ", 1)[-1], "")
 
 
 def markdown(rows, titles):
-    """The rows as a table: a column per workload, each cell "median (n=count)"."""
-    head = ["step (median ms)", "what"] + list(titles)
+    """The rows as a table: a column per workload, each cell "median ms (n=count)"."""
+    head = ["stamp", "usually after", "what happened since (median ms)"] + list(titles)
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    for step, cells in rows:
+    for name, prior, cells in rows:
         values = [f"{cells[t][0]:.2f} (n={cells[t][1]})" if t in cells else "-" for t in titles]
-        lines.append("| " + " | ".join([step, describe(step)] + values) + " |")
+        lines.append("| " + " | ".join([name, prior or "", describe(name)] + values) + " |")
     return "\n".join(lines)
 
 

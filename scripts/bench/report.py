@@ -160,10 +160,11 @@ baseline measured for it (display included).
 `--profile` runs this server alone with `server.trace_file` set (a
 `--config` file), so that each of its processes stamps the phases of every
 request (`kernel/trace.py`: CLOCK_MONOTONIC, one file); the bench adds its
-own stamps for sending each request and reading its answer. For each step
-between consecutive stamps of one request, across processes (HTTP in,
-server to child, compile, run, save, answer, HTTP out, ...), it prints
-the median duration, per workload and pause between cells."""
+own stamps for sending each request and reading its answer. With a
+request's stamps in time order across processes, it prints for each stamp
+the median time since the one before it (HTTP in, server to child,
+compile, run, save, answer, HTTP out, ...), per workload and pause
+between cells (`--gaps`; `--quick`: 10 cells each instead of 30)."""
 
 
 def write_markdown(path, p, table, details, seconds, mach):
