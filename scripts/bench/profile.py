@@ -35,7 +35,7 @@ PHASES = {
     "compiled": "child: compile (read analysis)",
     "ran": "child: run the cell",
     "saved": "child: save the state",
-    "answered": "child: the answer written",
+    "answered": "child: its answer written (stamped once the write returns)",
     "answer": "child → server: the answer read",
     "reply": "server: the reply made",
     "done": "HTTP out: the reply read by the client",
@@ -74,10 +74,10 @@ def by_request(stamps):
 
 
 def steps(stamps):
-    """{exec_id: [(stamp, stamp before it, seconds between them)]}, in time order.
+    """{exec_id: [(stamp, stamp before it, seconds since it)]}, in time order.
 
-    A stamp is named "role phase"; the first is (ROUND_TRIP, None, client
-    send to client done) when the bench stamped both.
+    A stamp is named "role phase"; the first entry is (ROUND_TRIP, None,
+    client send to client done) when the bench stamped both.
     """
     out = {}
     for exec_id, mine in by_request(stamps).items():
@@ -95,7 +95,7 @@ def summarise(stamps, columns):
 
     For `columns` {title: exec ids}: the time from the stamp before each one
     (in any process) to it. Rows are in the order the stamps usually come
-    (their mean position in a request); races between processes (a child
+    (their median position in a request); races between processes (a child
     stamping "answered" after the server has read the answer) change which
     stamp comes before, not the rows.
     """
@@ -109,7 +109,8 @@ def summarise(stamps, columns):
                 durations[name][title].append(seconds * 1e3)
                 positions[name].append(position)
                 before[name][prior] += 1
-    order = sorted(durations, key=lambda name: statistics.mean(positions[name]))
+    order = sorted(durations, key=lambda name: (statistics.median(positions[name]),
+                                                statistics.mean(positions[name])))
     return [(name, before[name].most_common(1)[0][0],
              {title: (statistics.median(ms), len(ms)) for title, ms in durations[name].items()})
             for name in order]
