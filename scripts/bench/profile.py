@@ -10,7 +10,6 @@ phase"), the median time since the stamp before it, per workload and pause
 between cells.
 """
 
-import bisect
 import collections
 import json
 import os
@@ -35,7 +34,7 @@ PHASES = {
     "compiled": "child: compile (read analysis)",
     "ran": "child: run the cell",
     "saved": "child: save the state",
-    "answered": "child: its answer written (stamped once the write returns)",
+    "answering": "child: the answer made",
     "answer": "child → server: the answer read",
     "reply": "server: the reply made",
     "done": "HTTP out: the reply read by the client",
@@ -50,24 +49,11 @@ def client_stamps(exec_id, sent, done):
 
 
 def by_request(stamps):
-    """{exec_id: its stamps in time order}.
-
-    A stamp without an exec_id (the HTTP layer does not know it) belongs to
-    the request whose client window (send to done) holds it: the profile
-    sends one request at a time, so at most one window does.
-    """
+    """{exec_id: its stamps in time order}."""
     mine = collections.defaultdict(list)
     for s in stamps:
         if s["exec"] is not None:
             mine[s["exec"]].append(s)
-    windows = sorted((min(t), max(t), exec_id) for exec_id, t in (
-        (e, [s["t"] for s in ss if s["role"] == "client"]) for e, ss in mine.items()) if t)
-    starts = [w[0] for w in windows]
-    for s in stamps:
-        if s["exec"] is None:
-            i = bisect.bisect_right(starts, s["t"]) - 1
-            if i >= 0 and s["t"] <= windows[i][1]:
-                mine[windows[i][2]].append(s)
     for ss in mine.values():
         ss.sort(key=lambda s: s["t"])
     return mine
@@ -95,9 +81,9 @@ def summarise(stamps, columns):
 
     For `columns` {title: exec ids}: the time from the stamp before each one
     (in any process) to it. Rows are in the order the stamps usually come
-    (their median position in a request); races between processes (a child
-    stamping "answered" after the server has read the answer) change which
-    stamp comes before, not the rows.
+    (their median position in a request); a race between processes (two
+    stamps of one moment in two processes) changes which stamp comes before,
+    not the rows.
     """
     durations = collections.defaultdict(lambda: collections.defaultdict(list))
     positions = collections.defaultdict(list)
@@ -135,9 +121,8 @@ def markdown(rows, titles):
 
 def untagged(stamps):
     """"role phase ×count" of the stamps that belong to no request."""
-    counted = {id(s) for ss in by_request(stamps).values() for s in ss}
     counts = collections.Counter(f"{s['role']} {s['phase']}" for s in stamps
-                                 if id(s) not in counted)
+                                 if s["exec"] is None)
     return ", ".join(f"{name} ×{n}" for name, n in sorted(counts.items()))
 
 
