@@ -25,11 +25,13 @@ Exit status 0 when every check passed.
 """
 
 import argparse
+import http.client
 import json
 import math
 import os
 import random
 import re
+import shutil
 import sys
 import tempfile
 import threading
@@ -171,9 +173,13 @@ def verify(server, clients):
             if name not in listed:
                 problems.append(f"{name}: lost")
                 continue
-            answer = server.call("POST", "/multistate_execute", {
-                "code": "val", "exec_id": f"verify-{name}", "state_mapping": {},
-                "default_state": name})
+            try:
+                answer = server.call("POST", "/multistate_execute", {
+                    "code": "val", "exec_id": f"verify-{name}", "state_mapping": {},
+                    "default_state": name})
+            except (OSError, ValueError, http.client.HTTPException) as exc:
+                problems.append(f"{name}: no answer: {type(exc).__name__}: {exc}")
+                continue
             got = answer["output"][-1]["data"]["text/plain"] if answer["output"] else None
             if answer["error"] is not None or got != value:
                 problems.append(f"{name}: holds {got} ({answer['error']}), expected {value}")
@@ -296,6 +302,10 @@ left after the run: within the two zygotes plus a holder and its spares per live
 after SIGTERM: none.
 
 """)
+    if problems:
+        print(f"server log and store kept in {work}", file=sys.stderr)
+    else:
+        shutil.rmtree(work, ignore_errors=True)
     return 0 if not problems else 1
 
 
