@@ -18,6 +18,11 @@ BENCHMARKS.md; every other `## ` section of that file is kept.
     python scripts/bench.py              # < 30 minutes, states up to 1 GB
     python scripts/bench.py --only a,b3 --no-write   # a subset, print only
     python scripts/bench.py --profile    # where our server's time goes, phase by phase
+    python scripts/bench.py --only nb    # notebook runs against nbclient + ipykernel
+
+The notebook workload (nb) compares POST /notebooks/run with nbclient
+running the same 30-cell notebook in ipykernel; it needs only this server
+(not the reference or dill peers) and, run alone, writes its own section.
 """
 
 import argparse
@@ -48,7 +53,7 @@ REF_VERSION = "0.2.1"
 PEERS = ("ours", "ref", "dill")
 TITLES = {"ours": "this server", "ref": f"snapshot-kernel {REF_VERSION}",
           "dill": "dill checkpoint/cell"}
-OWNED = ("How to run", "Results: quick", "Results: full")
+OWNED = ("How to run", "Results: quick", "Results: full", "Results: notebook")
 MB = 10 ** 6
 _ids = itertools.count()
 
@@ -60,10 +65,12 @@ def plan(quick):
     if quick:
         return {"mode": "quick", "runs": 5, "sizes": [0, 10 * MB, 100 * MB],
                 "str_size": 10 * MB, "big": 100 * MB, "restarts": 3, "starts": 3,
-                "hash_calls": 5, "parallel_cells": 4, "interrupt_wait": 3.0}
+                "hash_calls": 5, "parallel_cells": 4, "interrupt_wait": 3.0,
+                "nb_rows": 100_000, "nb_first_runs": 2}
     return {"mode": "full", "runs": 7, "sizes": [0, 10 * MB, 100 * MB, 1000 * MB],
             "str_size": 100 * MB, "big": 1000 * MB, "restarts": 5, "starts": 5,
-            "hash_calls": 7, "parallel_cells": 6, "interrupt_wait": 10.0}
+            "hash_calls": 7, "parallel_cells": 6, "interrupt_wait": 10.0,
+            "nb_rows": 300_000, "nb_first_runs": 3}
 
 
 def fmt_size(n):
@@ -759,20 +766,207 @@ def wl_start_memory(peers, p, table):
     table.add("g", "children's PSS (sum) with 8 live states", pss, kind="bytes")
 
 
-WORKLOADS = ("g", "a", "e", "b1", "b2", "b3", "f", "c", "d")
+# The notebook workload: a data notebook of 30 cells (load, clean, plots, a model fit),
+# written so that it means the same in both orders (no cell rebinds another's names).
+# Cell 14 is the parameter edited in the middle.
+NB_EDITED = 14
+
+
+def nb_sources(csv_path, threshold=100):
+    """The 30 cells of the notebook workload."""
+    return [
+        "import numpy as np\nimport pandas as pd\nimport matplotlib.pyplot as plt",
+        f"PATH = {csv_path!r}\nSEED = 7",
+        "raw = pd.read_csv(PATH, parse_dates=['date'])\nraw.shape",
+        "raw.head()",
+        "clean = raw.dropna(subset=['price', 'qty'])\nclean = clean[clean['qty'] > 0]\n"
+        "len(clean)",
+        "df = clean.assign(region=clean['region'].astype('category'),\n"
+        "                  product=clean['product'].astype('category'),\n"
+        "                  revenue=clean['price'] * clean['qty'],\n"
+        "                  month=clean['date'].dt.to_period('M').dt.to_timestamp())\ndf.dtypes",
+        "df.describe()",
+        "df['price'].plot.hist(bins=50, figsize=(6, 3), title='price')\nplt.show()",
+        "df['qty'].plot.hist(bins=30, figsize=(6, 3), title='quantity')\nplt.show()",
+        "monthly = df.groupby('month')['revenue'].sum()\nmonthly.tail()",
+        "monthly.plot(figsize=(6, 3), title='revenue by month')\nplt.show()",
+        "by_region = df.groupby('region', observed=True)['revenue'].agg(['sum', 'mean', "
+        "'count'])\nby_region",
+        "by_region['sum'].plot.bar(figsize=(6, 3), title='revenue by region')\nplt.show()",
+        "by_product = df.groupby('product', observed=True)['qty'].sum()\nby_product",
+        f"THRESHOLD = {threshold}",
+        "big = df[df['revenue'] > THRESHOLD]\nprint(len(big), 'orders over', THRESHOLD)",
+        "share = big.groupby('product', observed=True)['revenue'].sum() / "
+        "df['revenue'].sum()\nshare.round(3)",
+        "share.plot.barh(figsize=(6, 3), title='share of big orders')\nplt.show()",
+        "pivot = df.pivot_table(index='region', columns='product', values='qty', "
+        "aggfunc='sum', observed=True)\npivot",
+        "corr = df[['price', 'qty', 'revenue', 'discount']].corr()\ncorr.round(2)",
+        "plt.figure(figsize=(4, 4))\nplt.imshow(corr, cmap='viridis')\nplt.colorbar()\n"
+        "plt.show()",
+        "rng = np.random.default_rng(SEED)\nmask = rng.random(len(df)) < 0.8\n"
+        "train = df[mask]\ntest = df[~mask]\nlen(train), len(test)",
+        "def design(frame):\n    return np.column_stack([np.ones(len(frame)), frame['price'], "
+        "frame['discount'], frame['qty']])",
+        "coef = np.linalg.lstsq(design(train), train['revenue'].to_numpy(), rcond=None)[0]\n"
+        "coef.round(3)",
+        "pred = design(test) @ coef\n"
+        "rmse = float(np.sqrt(np.mean((pred - test['revenue'].to_numpy()) ** 2)))\nrmse",
+        "plt.figure(figsize=(4, 4))\nplt.scatter(test['revenue'].to_numpy()[:2000], "
+        "pred[:2000], s=2)\nplt.show()",
+        "resid = test['revenue'].to_numpy() - pred\nplt.figure(figsize=(6, 3))\n"
+        "plt.hist(resid, bins=50)\nplt.show()",
+        "top = df.nlargest(10, 'revenue')[['date', 'region', 'product', 'revenue']]\ntop",
+        "weekday = df.groupby(df['date'].dt.day_name())['revenue'].mean().round(1)\nweekday",
+        "print(f\"{len(df)} orders, revenue {df['revenue'].sum():,.0f}, rmse {rmse:.2f}\")",
+    ]
+
+
+def nb_data(path, rows):
+    """Write the workload's sales CSV (dates, categories, prices with gaps)."""
+    import numpy as np
+    import pandas as pd
+    rng = np.random.default_rng(0)
+    frame = pd.DataFrame({
+        "date": pd.Timestamp("2023-01-01") + pd.to_timedelta(rng.integers(0, 730, rows),
+                                                             unit="D"),
+        "region": rng.choice(["north", "south", "east", "west"], rows),
+        "product": rng.choice(list("ABCDEFGH"), rows),
+        "price": rng.gamma(2.0, 20.0, rows).round(2),
+        "qty": rng.integers(0, 10, rows),
+        "discount": rng.random(rows).round(2)})
+    frame.loc[rng.random(rows) < 0.01, "price"] = np.nan
+    frame.to_csv(path, index=False)
+
+
+def nb_jupyter(sources, runs):
+    """nbclient + ipykernel on the whole notebook: (median seconds with the kernel's
+    start, median seconds of the cells alone, [median seconds of each cell])."""
+    import nbformat
+    from nbclient import NotebookClient
+    totals, cells_only, per_cell = [], [], []
+    for _ in range(runs):
+        nb = nbformat.v4.new_notebook()
+        nb.cells = [nbformat.v4.new_code_cell(src) for src in sources]
+        started = time.perf_counter()
+        NotebookClient(nb, timeout=600, kernel_name="python3", record_timing=True).execute()
+        totals.append(time.perf_counter() - started)
+        times = []
+        for cell in nb.cells:
+            ex = cell.metadata["execution"]
+            times.append((datetime.datetime.fromisoformat(ex["shell.execute_reply"].rstrip("Z"))
+                          - datetime.datetime.fromisoformat(
+                              ex["iopub.execute_input"].rstrip("Z"))).total_seconds())
+            if any(o.get("output_type") == "error" for o in cell.outputs):
+                raise RuntimeError(f"nbclient: a cell failed: {cell.source[:80]!r}")
+        per_cell.append(times)
+        cells_only.append(sum(times))
+    return median(totals), median(cells_only), [median(c) for c in zip(*per_cell)]
+
+
+def nb_run(peer, name, sources, order):
+    """POST /notebooks/run; (seconds, answer), failing loudly on a failed cell."""
+    cells = [{"id": f"c{n:02d}", "source": src} for n, src in enumerate(sources)]
+    elapsed, status, answer = peer.client.call("POST", "/notebooks/run", {
+        "notebook": name, "cells": cells, "order": order})
+    if status != 200:
+        raise RuntimeError(f"/notebooks/run answered {status}: {answer}")
+    bad = [c for c in answer["cells"] if c["status"] not in ("ran", "reused")]
+    if bad:
+        raise RuntimeError(f"notebook run: {bad[0]['id']} {bad[0]['status']}: {bad[0]['error']}")
+    return elapsed, answer
+
+
+def wl_notebook(workdir, p, table, details):
+    """(nb) the 30-cell data notebook: first run, run with nothing changed, one-cell edit,
+    in both orders, against nbclient running the whole notebook in ipykernel."""
+    folder = os.path.join(workdir, "nb")
+    os.makedirs(folder, exist_ok=True)
+    csv_path = os.path.join(folder, "sales.csv")
+    nb_data(csv_path, p["nb_rows"])
+    sources = nb_sources(csv_path)
+    print("    nbclient + ipykernel ...", flush=True)
+    jupyter_total, jupyter_cells, per_cell = nb_jupyter(sources, p["nb_first_runs"])
+    peer = Peer("ours", folder, None)
+    peer.start("1 + 1")
+    time.sleep(3)  # the warm zygote (numpy, pandas, matplotlib imported) is up by then
+    lines = ["| order | run | this server | cells that ran | their time in ipykernel | "
+             "their time in this kernel | beyond their ipykernel time | beyond their time "
+             "in this kernel |", "|" + "---|" * 8]
+    try:
+        for order in ("notebook", "dataflow"):
+            first = []
+            for _ in range(p["nb_first_runs"]):
+                peer.client.call("POST", "/reset", {})
+                elapsed, answer = nb_run(peer, f"nb-{order}", sources, order)
+                first.append((elapsed, sum(c["took_s"] for c in answer["cells"])))
+            unchanged = [nb_run(peer, f"nb-{order}", sources, order)
+                         for _ in range(p["runs"])]
+            assert all(set(c["status"] for c in a["cells"]) == {"reused"}
+                       for _, a in unchanged), "a run with nothing changed ran cells"
+            edits = []
+            for k in range(p["runs"]):
+                # A new value each time: an earlier value's results would be reused.
+                value = 101 + k + (50 if order == "dataflow" else 0)
+                elapsed, answer = nb_run(peer, f"nb-{order}",
+                                         nb_sources(csv_path, threshold=value), order)
+                ran = [n for n, c in enumerate(answer["cells"]) if c["status"] == "ran"]
+                edits.append((elapsed, ran, sum(per_cell[n] for n in ran),
+                              sum(answer["cells"][n]["took_s"] for n in ran)))
+            rows = [("first run", [e for e, _ in first], "all 30", jupyter_cells,
+                     median(t for _, t in first)),
+                    ("nothing changed", [e for e, _ in unchanged], "none", 0.0, 0.0),
+                    (f"cell {NB_EDITED} edited", [e for e, _, _, _ in edits],
+                     f"{len(edits[0][1])}: {', '.join(str(n) for n in edits[0][1])}",
+                     median(t for _, _, t, _ in edits), median(t for _, _, _, t in edits))]
+            for label, walls, cells_ran, ipy, ours in rows:
+                wall = median(walls)
+                lines.append(f"| {order} | {label} | {fmt_ms(wall)} | {cells_ran} | "
+                             f"{fmt_ms(ipy)} | {fmt_ms(ours)} | {fmt_ms(wall - ipy)} | "
+                             f"{fmt_ms(wall - ours)} |")
+            still = median(e for e, _ in unchanged)
+            beyond = median(e - t for e, _, t, _ in edits)
+            runner = median(e - t for e, _, _, t in edits)
+            table.add("nb", f"{order} order: first run (median of {p['nb_first_runs']}; "
+                      f"nbclient {fmt_ms(jupyter_total)})",
+                      {"ours": median(e for e, _ in first), "ref": "n/a", "dill": "n/a"})
+            table.add("nb", f"{order} order: run with nothing changed (median of {p['runs']})",
+                      {"ours": still, "ref": "n/a", "dill": "n/a"}, "< 100 ms", still < 0.100)
+            table.add("nb", f"{order} order: one-cell edit ({len(edits[0][1])} cells run), "
+                      f"time beyond their time in ipykernel (median of {p['runs']})",
+                      {"ours": beyond, "ref": "n/a", "dill": "n/a"}, "< 100 ms",
+                      beyond < 0.100)
+            table.add("nb", f"{order} order: one-cell edit, time beyond their time in this "
+                      f"kernel (the notebook runner's own)", {"ours": runner, "ref": "n/a",
+                                                              "dill": "n/a"})
+    finally:
+        peer.stop()
+    details.append(("nb: a 30-cell data notebook "
+                    f"({p['nb_rows']:,} rows; load, clean, 9 plots, a least-squares fit); "
+                    f"nbclient runs it whole in ipykernel in {fmt_ms(jupyter_total)} (kernel "
+                    f"start included; its cells alone {fmt_ms(jupyter_cells)}). A cell's time "
+                    "in ipykernel is nbclient's timing of it; its time in this kernel is "
+                    "`took_s` (composing its input state, running it, storing its state). In "
+                    "notebook order the edited parameter's reader also reads `df`, and a read "
+                    "may mutate, so every later reader of `df` runs again", "\n".join(lines)))
+
+
+WORKLOADS = ("g", "a", "e", "b1", "b2", "b3", "f", "c", "d", "nb")
 
 
 def run(p, only, venv, keep_dir):
     """Start the peers, run the workloads; return (table, details, seconds)."""
     started = time.perf_counter()
-    ref_python = ensure_reference(venv)
+    wanted = [w for w in WORKLOADS if only is None or w in only]
+    # The notebook workload starts a server of its own; the others need the three peers.
+    peered = [w for w in wanted if w != "nb"]
+    ref_python = ensure_reference(venv) if peered else None
     workdir = tempfile.mkdtemp(prefix="snapshot-bench-")
-    peers = {k: Peer(k, workdir, ref_python) for k in PEERS}
+    peers = {k: Peer(k, workdir, ref_python) for k in PEERS} if peered else {}
     table, details, keep = Table(), [], {}
     try:
         for peer in peers.values():
             peer.start()
-        wanted = [w for w in WORKLOADS if only is None or w in only]
         if ("e" in wanted or "d" in wanted) and "a" not in wanted:
             # e and d use the big state made by a.
             for peer in peers.values():
@@ -798,6 +992,8 @@ def run(p, only, venv, keep_dir):
                 wl_interrupt(peers, p, table)
             elif name == "d":
                 wl_restart(peers, p, table, keep)
+            elif name == "nb":
+                wl_notebook(workdir, p, table, details)
     finally:
         for peer in peers.values():
             peer.stop()
@@ -1017,6 +1213,7 @@ python scripts/bench.py --quick    # under 3 minutes: states up to 100 MB, 5 run
 python scripts/bench.py            # under 30 minutes: states up to 1 GB, 7 runs
 python scripts/bench.py --only a,b3 --no-write    # some workloads, print only
 python scripts/bench.py --profile  # this server only: median ms of each phase of a cell
+python scripts/bench.py --only nb  # notebook runs against nbclient + ipykernel
 ```
 
 The script installs snapshot-kernel 0.2.1 with numpy and pandas into a
@@ -1089,8 +1286,9 @@ def main(argv=None):
     for title, text in details:
         print(f"\n{title}\n{text}")
     print(f"\n{p['mode']} run took {seconds / 60:.1f} min")
-    if not args.no_write and only is None:
-        write_markdown(args.out, p, table, details, seconds, mach)
+    if not args.no_write and only in (None, {"nb"}):
+        mode = "notebook" if only == {"nb"} else p["mode"]
+        write_markdown(args.out, dict(p, mode=mode), table, details, seconds, mach)
         print(f"wrote {args.out}")
 
 
