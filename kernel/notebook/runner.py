@@ -3,12 +3,15 @@
 A run analyses the cells, builds the graph in the requested order, keys
 the cells and plans (planner.py); then takes the cells in the plan's
 sequence. A reused cell costs a look-up. A cell that runs is executed by
-the kernel (`Registry.execute`) in a state composed from its inputs' states
-(`Registry.rebuild` takes the names whose version differs from another
-state), into a state named `nb-<key>`; its result is stored under its key.
-After the cells, the notebook's final state (every name as the last cell
-giving it left it) is found among the cells' states or composed the same
-way, and stored as a result too, under the key of its composition.
+the registry (`Registry.execute`) into a state named `nb-<key>`, and its
+result is stored under its key. It runs in a state composed from its
+inputs' states: the names whose version the best base lacks are taken in
+by a worker when that base has a live holder (`Registry.rebuild`), and
+otherwise the state is put together from manifests alone, no process
+needed (`Registry.add_state`). After the cells, the notebook's final state
+(every name as the last cell giving it left it) is found among the cells'
+states or composed the same way, and stored as a result too, under the
+key of its composition.
 
 The record of a run (per cell: key, status, outputs, execution count,
 state) is kept in memory while the run goes on, for GET /notebooks/NAME,
