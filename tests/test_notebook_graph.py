@@ -111,8 +111,10 @@ def test_a_function_needs_what_its_body_reads_when_called():
 def test_unknown_reads_depend_on_every_earlier_cell():
     g = build("notebook", "a = 1", "b = 2", "print(eval('a + b'))", "c = b")
     assert g.inputs[2] == {0, 1}
-    # exec may have rebound anything: later readers depend on it too.
+    # eval may have rebound anything: later readers depend on it too.
     assert g.inputs[3] == {1, 2}
+    g = build("notebook", "a = 1", "exec('b = 2')", "a.bit_length()", "print(a)")
+    assert g.needs[3]["a"] == 2 and g.inputs[3] == {0, 1, 2}
 
 
 def test_dataflow_order_is_topological_with_ties_by_position():

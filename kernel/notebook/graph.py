@@ -138,7 +138,7 @@ def _notebook(graph, analyses):
             if not cells and name in BUILTINS:
                 continue
             inputs.update(cells)
-            needs[name] = cells[-1] if cells else None
+            needs[name] = max(cells) if cells else None
         inherited = set().union(*(carried_writes.get(p, ()) for p in inputs))
         carried[i] = set(a.deferred_reads).union(*(carried.get(p, ()) for p in inputs))
         carried_writes[i] = set(a.deferred_writes) | inherited
