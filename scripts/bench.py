@@ -66,11 +66,11 @@ def plan(quick):
         return {"mode": "quick", "runs": 5, "sizes": [0, 10 * MB, 100 * MB],
                 "str_size": 10 * MB, "big": 100 * MB, "restarts": 3, "starts": 3,
                 "hash_calls": 5, "parallel_cells": 4, "interrupt_wait": 3.0,
-                "nb_rows": 100_000, "nb_first_runs": 2}
+                "nb_rows": 100_000, "nb_first_runs": 1, "nb_runs": 3}
     return {"mode": "full", "runs": 7, "sizes": [0, 10 * MB, 100 * MB, 1000 * MB],
             "str_size": 100 * MB, "big": 1000 * MB, "restarts": 5, "starts": 5,
             "hash_calls": 7, "parallel_cells": 6, "interrupt_wait": 10.0,
-            "nb_rows": 300_000, "nb_first_runs": 3}
+            "nb_rows": 300_000, "nb_first_runs": 3, "nb_runs": 5}
 
 
 def fmt_size(n):
@@ -901,11 +901,11 @@ def wl_notebook(workdir, p, table, details):
                 elapsed, answer = nb_run(peer, f"nb-{order}", sources, order)
                 first.append((elapsed, sum(c["took_s"] for c in answer["cells"])))
             unchanged = [nb_run(peer, f"nb-{order}", sources, order)
-                         for _ in range(p["runs"])]
+                         for _ in range(p["nb_runs"])]
             assert all(set(c["status"] for c in a["cells"]) == {"reused"}
                        for _, a in unchanged), "a run with nothing changed ran cells"
             edits = []
-            for k in range(p["runs"]):
+            for k in range(p["nb_runs"]):
                 # A new value each time: an earlier value's results would be reused.
                 value = 101 + k + (50 if order == "dataflow" else 0)
                 elapsed, answer = nb_run(peer, f"nb-{order}",
@@ -930,10 +930,10 @@ def wl_notebook(workdir, p, table, details):
             table.add("nb", f"{order} order: first run (median of {p['nb_first_runs']}; "
                       f"nbclient {fmt_ms(jupyter_total)})",
                       {"ours": median(e for e, _ in first), "ref": "n/a", "dill": "n/a"})
-            table.add("nb", f"{order} order: run with nothing changed (median of {p['runs']})",
+            table.add("nb", f"{order} order: run with nothing changed (median of {p['nb_runs']})",
                       {"ours": still, "ref": "n/a", "dill": "n/a"}, "< 100 ms", still < 0.100)
             table.add("nb", f"{order} order: one-cell edit ({len(edits[0][1])} cells run), "
-                      f"time beyond their time in ipykernel (median of {p['runs']})",
+                      f"time beyond their time in ipykernel (median of {p['nb_runs']})",
                       {"ours": beyond, "ref": "n/a", "dill": "n/a"}, "< 100 ms",
                       beyond < 0.100)
             table.add("nb", f"{order} order: one-cell edit, time beyond their time in this "
