@@ -1234,7 +1234,10 @@ is the plain `exec` time the dill baseline measured for it (display
 included). `--profile` installs a `sitecustomize` into this server's
 processes that times the phases of each cell (server, child, store; with
 `--cprofile` also a cProfile of each cell's child), without changing the
-code under test."""
+code under test. The notebook workload (nb) starts this server alone and
+compares POST /notebooks/run on a 30-cell data notebook with nbclient
+running the same notebook in ipykernel; run alone (`--only nb`) it writes
+the section "Results: notebook"."""
 
 
 def write_markdown(path, p, table, details, seconds, mach):
