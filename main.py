@@ -49,8 +49,10 @@ def lock_store(data_dir):
     os.makedirs(data_dir, exist_ok=True)
     lock = try_server_lock(data_dir)
     if lock is None:
-        raise StoreError(f"{lock_holder(data_dir) or 'another server'} is already using the "
-                         f"store at {data_dir}; stop it or choose another --data-dir")
+        holder = lock_holder(data_dir)
+        raise StoreError(f"another server is already using the store at {data_dir}"
+                         f"{f' ({holder})' if holder else ''}; stop it or choose another "
+                         f"--data-dir")
     return lock
 
 
