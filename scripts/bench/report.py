@@ -3,7 +3,7 @@
 import os
 import statistics
 
-OWNED = ("How to run", "Results: quick", "Results: full")
+OWNED = ("How to run", "Results: quick", "Results: full", "Results: notebook")
 
 
 def fmt_size(n):
@@ -131,10 +131,11 @@ python scripts/bench.py --quick    # under 3 minutes: states up to 100 MB, 5 run
 python scripts/bench.py            # under 30 minutes: states up to 1 GB, 7 runs
 python scripts/bench.py --only a,b3 --no-write    # some workloads, print only
 python scripts/bench.py --profile  # this server only: median ms of each phase of a cell
+python scripts/bench.py --only nb  # notebook runs against nbclient + ipykernel
 ```
 
 The script (its parts are in `scripts/bench/`: `peers.py`, `workloads.py`,
-`report.py`, `profile.py`) installs snapshot-kernel 0.2.1 with numpy and
+`notebook.py`, `report.py`, `profile.py`) installs snapshot-kernel 0.2.1 with numpy and
 pandas into a virtual environment of its own (`--venv`, default
 `~/.cache/snapshot-bench/ref`) and runs four peers side by side: this
 server (`main.py` on a temporary store), the reference (in memory only),
@@ -164,7 +165,13 @@ own stamps for sending each request and reading its answer. With a
 request's stamps in time order across processes, it prints for each stamp
 the median time since the one before it (HTTP in, server to child,
 compile, run, save, answer, HTTP out, ...), per workload and pause
-between cells (`--gaps`; `--quick`: 10 cells each instead of 30)."""
+between cells (`--gaps`; `--quick`: 10 cells each instead of 30).
+
+The notebook workload (nb) runs this server alone (no other peer is
+started when it is the only workload) and compares POST /notebooks/run on
+a 30-cell data notebook with nbclient running the same notebook in
+ipykernel; run alone (`--only nb`) it writes the section "Results:
+notebook"."""
 
 
 def write_markdown(path, p, table, details, seconds, mach):

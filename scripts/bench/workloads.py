@@ -1,4 +1,5 @@
-"""The workloads (a to g): each runs on every peer it applies to and adds rows to the table.
+"""The workloads (a to g, and nb from `notebook`): each runs on every peer it applies to
+and adds rows to the table.
 
 `plan()` says what a run measures; `run()` starts the peers and runs the
 workloads asked for, in the order of `WORKLOADS`.
@@ -11,6 +12,7 @@ import tempfile
 import threading
 import time
 
+from bench.notebook import wl_notebook
 from bench.peers import Dill, Ipykernel, Ours, Reference, added_bytes
 from bench.report import Table, fmt_ms, fmt_size, median
 
@@ -23,10 +25,12 @@ def plan(quick):
     if quick:
         return {"mode": "quick", "runs": 5, "sizes": [0, 10 * MB, 100 * MB],
                 "str_size": 10 * MB, "big": 100 * MB, "restarts": 3, "starts": 3,
-                "hash_calls": 5, "parallel_cells": 4, "interrupt_wait": 3.0}
+                "hash_calls": 5, "parallel_cells": 4, "interrupt_wait": 3.0,
+                "nb_rows": 100_000, "nb_first_runs": 1, "nb_runs": 3}
     return {"mode": "full", "runs": 7, "sizes": [0, 10 * MB, 100 * MB, 1000 * MB],
             "str_size": 100 * MB, "big": 1000 * MB, "restarts": 5, "starts": 5,
-            "hash_calls": 7, "parallel_cells": 6, "interrupt_wait": 10.0}
+            "hash_calls": 7, "parallel_cells": 6, "interrupt_wait": 10.0,
+            "nb_rows": 300_000, "nb_first_runs": 3, "nb_runs": 5}
 
 
 SETUP = "import numpy as np\nimport pandas as pd\n"
@@ -373,29 +377,31 @@ def wl_start_memory(peers, p, table, details, keep):
     table.add("g", "children's PSS (sum) with 8 live states", pss, kind="bytes")
 
 
-
-
 NO_STORE = {"ref": "n/a (no store)", "ipykernel": "n/a (no store)"}
 
-# In the order they run: g first, as it restarts every peer; e and d use a's big state.
+# In the order they run: g first, as it restarts every peer; e and d use a's big state;
+# nb last, as it resets this server (every state gone).
 WORKLOADS = {"g": wl_start_memory, "a": wl_trivial, "e": wl_metadata, "b1": wl_append,
              "b2": wl_update, "b3": wl_read, "f": wl_parallel, "c": wl_interrupt,
-             "d": wl_restart}
+             "d": wl_restart, "nb": wl_notebook}
+# Workloads that measure this server alone: run only these and no other peer is started.
+OURS_ONLY = {"nb"}
 
 
 def run(p, only, venv, keep_dir, ours_args=()):
     """Start the peers, run the workloads; return (table, details, seconds)."""
     started = time.perf_counter()
+    wanted = [w for w in WORKLOADS if only is None or w in only]
     workdir = tempfile.mkdtemp(prefix="snapshot-bench-")
-    peers = [Ours(workdir, extra_args=ours_args), Reference(workdir, venv), Ipykernel(workdir),
-             Dill(workdir)]
+    peers = [Ours(workdir, extra_args=ours_args)]
+    if not set(wanted) <= OURS_ONLY:
+        peers += [Reference(workdir, venv), Ipykernel(workdir), Dill(workdir)]
     peers = {peer.kind: peer for peer in peers}
     table = Table({kind: peer.title for kind, peer in peers.items()})
     details, keep = [], {}
     try:
         for peer in peers.values():
             peer.start()
-        wanted = [w for w in WORKLOADS if only is None or w in only]
         if ("e" in wanted or "d" in wanted) and "a" not in wanted:
             for peer in peers.values():
                 peer.must(frame_cell(p["big"]), new="big")
