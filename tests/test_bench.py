@@ -1,4 +1,5 @@
-"""scripts/bench.py: its report, its profile of a trace, its ipykernel peer, its command line."""
+"""scripts/bench.py: its report, its profile of a trace, its ipykernel peer, its notebook
+workload, its command line."""
 
 import json
 import subprocess
@@ -8,7 +9,7 @@ import time
 
 import pytest
 
-from bench import peers, profile, report
+from bench import notebook, peers, profile, report
 from conftest import ROOT
 from kernel import trace
 
@@ -170,3 +171,12 @@ def test_profile_of_a_real_server_covers_every_phase(tmp_path):
     assert rows[0][0] == profile.ROUND_TRIP and rows[0][2]["chain"][1] == 3
     assert all(cells["chain"][0] >= 0 for _, _, cells in rows)
     assert all(profile.describe(name) for name, _, _ in rows)
+
+
+def test_notebook_workload_edits_its_parameter_cell():
+    """nb's one-cell edit changes THRESHOLD and nothing else of the 30 cells."""
+    before = notebook.nb_sources("/tmp/sales.csv")
+    after = notebook.nb_sources("/tmp/sales.csv", threshold=123)
+    assert len(before) == len(after) == 30
+    assert [n for n, (b, a) in enumerate(zip(before, after)) if b != a] == [notebook.NB_EDITED]
+    assert after[notebook.NB_EDITED] == "THRESHOLD = 123"

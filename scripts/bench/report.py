@@ -135,9 +135,9 @@ python scripts/bench.py --only nb  # notebook runs against nbclient + ipykernel
 ```
 
 The script (its parts are in `scripts/bench/`: `peers.py`, `workloads.py`,
-`notebook.py`, `report.py`, `profile.py`) installs snapshot-kernel 0.2.1 with numpy and
-pandas into a virtual environment of its own (`--venv`, default
-`~/.cache/snapshot-bench/ref`) and runs four peers side by side: this
+`notebook.py`, `report.py`, `profile.py`) installs snapshot-kernel 0.2.1
+with numpy and pandas into a virtual environment of its own (`--venv`,
+default `~/.cache/snapshot-bench/ref`) and runs four peers side by side: this
 server (`main.py` on a temporary store), the reference (in memory only),
 ipykernel (a Jupyter kernel of the same interpreter, driven through
 jupyter_client as a notebook front end does: a cell's round trip ends when
