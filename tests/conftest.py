@@ -6,6 +6,7 @@ scripts share; this module adds an HTTP client made for assertions.
 
 import itertools
 import os
+import subprocess
 import sys
 
 import pytest
