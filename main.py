@@ -28,6 +28,7 @@ from api.errors import BadRequest, PayloadTooLarge, status_of
 from api.validation import check_body, check_state_name
 from kernel import config as config_mod
 from kernel import trace
+from kernel.notebook import fresh, fresh_file, fresh_request
 from kernel.server.registry import Registry
 from storage.store import StoreError, try_server_lock
 
@@ -300,6 +301,15 @@ def interrupt():
     return {"interrupted": get_kernel().interrupt(body("/interrupt")["exec_id"])}
 
 
+@route("POST", "/notebooks/run")
+def notebooks_run():
+    """Run a notebook's cells; for now only fresh runs ("fresh": true)."""
+    data = body("/notebooks/run")
+    if not data.get("fresh"):
+        raise BadRequest('only fresh runs are available here: send "fresh": true')
+    return fresh_request.run_request(data, settings())
+
+
 @route("GET", "/openapi.json")
 def openapi_document():
     """The OpenAPI 3 document of every route (with the token, like all but /health)."""
@@ -351,9 +361,70 @@ def parse_args(argv):
     return p.parse_args(argv)
 
 
+def run_command(argv):
+    """`main.py run NB.ipynb --fresh ...`: run a notebook without a server; exit status.
+
+    Only fresh runs for now: the incremental runs of the same command (on the
+    store) come with the notebook runner, which calls this for --fresh.
+    """
+    p = argparse.ArgumentParser(prog="main.py run", description=(
+        "Run a notebook from scratch in a new interpreter, within limits; write the "
+        "executed notebook only if every cell passed, and a receipt."))
+    p.add_argument("notebook", help="the .ipynb file to run")
+    p.add_argument("-o", "--output", help="where to write the executed notebook")
+    p.add_argument("--fresh", action="store_true", help="run fresh (required for now)")
+    p.add_argument("--receipt", help="where to write the run's receipt (JSON)")
+    p.add_argument("--timeout", type=float, help="whole-run deadline in seconds")
+    p.add_argument("--cell-timeout", type=float, help="longest run of one cell in seconds "
+                                                      "(0: none)")
+    p.add_argument("--cwd", help="working directory of the cells (default: the notebook's)")
+    p.add_argument("--env", action="extend", nargs="+", default=[], metavar="NAME",
+                   help="pass this variable from the environment (must be set)")
+    p.add_argument("--lock", help="a lock file whose hash and path the receipt records")
+    p.add_argument("--expected-environment", metavar="SHA256",
+                   help="refuse to run unless the kernel's environment has this hash")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing output")
+    p.add_argument("--keep-states", metavar="DIR",
+                   help="keep the run's states in this new store folder")
+    p.add_argument("--config", help="a TOML file overriding config.toml")
+    args = p.parse_args(argv)
+    if not args.fresh:
+        p.error("only fresh runs are available here: add --fresh")
+    try:
+        settings = config_mod.load(args.config)
+    except config_mod.ConfigError as exc:
+        p.error(str(exc))
+
+    def progress(cell):
+        """One line per code cell as it ends."""
+        took = f" {cell.seconds:.2f} s" if cell.status in ("ran", "failed") else ""
+        print(f"cell {cell.index} ({cell.id}): {cell.status}{took}", file=sys.stderr,
+              flush=True)
+
+    try:
+        status, receipt = fresh_file.run_file(
+            args.notebook, args.output, args.receipt, settings, timeout=args.timeout,
+            cell_timeout=args.cell_timeout, cwd=args.cwd, variables=args.env,
+            lock=args.lock, expected_environment=args.expected_environment,
+            overwrite=args.overwrite, keep_states=args.keep_states, on_cell=progress)
+    except fresh.Refused as exc:
+        p.error(str(exc))
+    except OSError as exc:
+        p.error(f"cannot write the receipt {args.receipt}: {exc.strerror}")
+    counts = receipt["counts"]
+    print(f"{'passed' if receipt['success'] else 'FAILED ' + receipt['category']}: "
+          f"{counts['completed']} cell(s) ran, {counts['failed']} failed, {counts['skipped']} "
+          f"skipped, in {receipt['seconds']:.2f} s. {receipt['message']}", file=sys.stderr)
+    return status
+
+
 def main(argv=None):
-    """Start the server; SIGTERM or Ctrl-C stop it and every worker."""
+    """Start the server (or, with a first word `run`, run a notebook: run_command);
+    SIGTERM or Ctrl-C stop it and every worker."""
     global _settings
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["run"]:
+        sys.exit(run_command(argv[1:]))
     args = parse_args(argv)
     # Workers inherit the environment: cells must not find the token there.
     os.environ.pop("SNAPSHOT_KERNEL_TOKEN", None)

@@ -193,6 +193,54 @@ def document(version="0.3.0"):
             "responses": _answer({"type": "object", "required": ["interrupted"],
                                   "properties": {"interrupted": {"type": "boolean"}}},
                                  "Whether such an execution was running", body_errors)}},
+        "/notebooks/run": {"post": {
+            "summary": "Run a notebook's code cells; \"fresh\": true runs them all from "
+                       "scratch in a new interpreter, within limits, with a receipt",
+            "requestBody": _body({
+                "notebook": {"type": "string", "description": "The notebook's name"},
+                "cells": {"type": "array", "items": {
+                    "type": "object", "required": ["id", "source"], "properties": {
+                        "id": {"type": "string", "minLength": 1, "maxLength": MAX_NAME},
+                        "source": {"type": "string"},
+                        "tags": dict(_NAMES, description="no-execute or skip-execution: "
+                                                         "the cell is skipped")}}},
+                "fresh": {"type": "boolean"},
+                "timeout": {"type": "number", "nullable": True,
+                            "description": "Whole-run deadline in seconds (fresh.timeout_s)"},
+                "cell_timeout": {"type": "number", "nullable": True,
+                                 "description": "Longest cell in seconds, 0 = none "
+                                                "(fresh.cell_timeout_s)"},
+                "env": dict(_NAMES, description="Variables of the server's environment "
+                                                "passed to the run (must be set; no secrets)"),
+                "cwd": {"type": "string", "nullable": True,
+                        "description": "Absolute working directory (default: a temporary "
+                                       "folder)"},
+                "expected_environment": {
+                    "type": "string", "nullable": True, "pattern": "^[0-9a-f]{64}$",
+                    "description": "Refuse to run unless the kernel's environment SHA-256 "
+                                   "is this"}},
+                ["notebook", "cells"]),
+            "responses": _answer({"type": "object", "required": [
+                "notebook", "order", "diagnostics", "cells", "state_name"], "properties": {
+                "notebook": {"type": "string"},
+                "order": _NAMES,
+                "diagnostics": {"type": "array", "items": {"type": "object"}},
+                "cells": {"type": "array", "items": {"type": "object", "required": [
+                    "id", "status", "outputs", "error", "execution_count"], "properties": {
+                    "id": {"type": "string"},
+                    "key": {"type": "string", "nullable": True},
+                    "status": {"type": "string", "enum": [
+                        "ran", "failed", "skipped", "empty", "not_run"]},
+                    "took_s": {"type": "number"},
+                    "outputs": {"type": "array", "items": _OUTPUT},
+                    "error": _CELL_ERROR,
+                    "execution_count": {"type": "integer", "nullable": True},
+                    "state_name": {"type": "string", "nullable": True}}}},
+                "state_name": {"type": "string", "nullable": True},
+                "receipt": {"type": "object", "description": "A fresh run's receipt (its "
+                                                             "JSON Schema is in the README)"}}},
+                "The cells' outcomes (a failed run answers 200 too: see the receipt)",
+                body_errors)}},
         "/health": {"get": {
             "summary": "Liveness; the only route without the token",
             "security": [],
