@@ -406,7 +406,8 @@ def run_command(argv):
             args.notebook, args.output, args.receipt, settings, timeout=args.timeout,
             cell_timeout=args.cell_timeout, cwd=args.cwd, variables=args.env,
             lock=args.lock, expected_environment=args.expected_environment,
-            overwrite=args.overwrite, keep_states=args.keep_states, on_cell=progress)
+            overwrite=args.overwrite, keep_states=args.keep_states, adopt_orphans=True,
+            on_cell=progress)
     except fresh.Refused as exc:
         p.error(str(exc))
     except OSError as exc:

@@ -2,7 +2,8 @@
 
 Each test checks the exit status, the receipt (against the README's
 schema), the files left behind and, where processes are involved, the
-process table.
+process table. The other categories, through the same code in this
+process: tests/test_fresh_run.py.
 """
 
 import hashlib
@@ -137,13 +138,6 @@ def test_failed_assertion_promotes_nothing(tmp_path):
     assert r["cells"][1]["ename"] == "AssertionError"
     assert r["counts"]["attempted"] == 2 and r["counts"]["failed"] == 1
     assert (tmp_path / "ran-1").exists()  # cells run in the notebook's folder
-
-
-def test_syntax_error_runs_nothing(tmp_path):
-    run = Run(tmp_path, ["open('ran-1', 'w').close()", "def f(:\n    pass"])
-    r = run.failed("SYNTAX_ERROR")
-    assert not (tmp_path / "ran-1").exists()
-    assert [c["status"] for c in r["cells"]] == ["not_run", "failed"]
 
 
 def test_cell_timeout(tmp_path):
@@ -304,40 +298,6 @@ def test_output_limit(tmp_path):
     r = run.failed("OUTPUT_LIMIT")
     assert 60000 < r["output_bytes"] <= 100000
     assert [c["status"] for c in r["cells"]] == ["ran", "failed", "not_run"]
-
-
-def test_memory_fuse(tmp_path):
-    conf = config_file(tmp_path, "[fresh]\nmemory_fuse_mb = 300\npoll_s = 0.1\n")
-    run = Run(tmp_path, ["import time\nb = b'x' * (600 * 2 ** 20)\ntime.sleep(120)"],
-              "--config", conf)
-    r = run.failed("MEMORY_FUSE")
-    assert r["peak_memory_mb"] > 300 and r["seconds"] < 100
-
-
-def test_too_many_cells(tmp_path):
-    conf = config_file(tmp_path, "[fresh]\nmax_code_cells = 2\n")
-    run = Run(tmp_path, ["open('ran', 'w').close()", "x = 1", "y = 2"], "--config", conf)
-    run.failed("TOO_MANY_CELLS")
-    assert not (tmp_path / "ran").exists()
-
-
-def test_dying_worker(tmp_path):
-    run = Run(tmp_path, ["import os\nos._exit(3)", "x = 1"])
-    r = run.failed("WORKER_DIED")
-    assert r["cells"][0]["ename"] == "WorkerDied"
-
-
-@pytest.mark.parametrize("args, message", [
-    (["--cwd", "/nonexistent-folder"], "not a folder"),
-    (["--env", "SNAPK_UNSET_VARIABLE"], "not set"),
-    (["--timeout", "0"], "more than 0"),
-    (["--expected-environment", "abc"], "SHA-256"),
-])
-def test_bad_input_is_refused_with_a_receipt(tmp_path, args, message):
-    run = Run(tmp_path, ["open('ran', 'w').close()"], *args)
-    r = run.failed("BAD_INPUT", status=2)
-    assert message in r["message"] and message in run.stderr
-    assert not (tmp_path / "ran").exists()
 
 
 def test_bad_command_lines(tmp_path):

@@ -142,8 +142,9 @@ class FreshRun:
     configured ones (each must be set); `cwd` the working directory;
     `expected_environment` the environment SHA-256 the kernel must have;
     `keep_states` a folder that keeps the run's store (None: a temporary one);
-    `adopt_orphans`: make this process a child subreaper and reap what reaches
-    it (for a command-line process, which has no other children);
+    `adopt_orphans`: make this process a child subreaper, and at the end kill
+    and reap every process below it (only for a process whose only children
+    are the run's: the command line);
     `on_cell(cell)` is called as each cell ends.
 
     `run()` never raises for what the notebook does; afterwards `category`
@@ -224,6 +225,7 @@ class FreshRun:
             raise Refused("BAD_INPUT", f"the working directory {self.cwd} is not a folder")
         expected = self.expected_environment
         if expected is not None and not _SHA256.match(expected):
+            self.expected_environment = None  # the receipt's field holds a hash or null
             raise Refused("BAD_INPUT", "the expected environment must be a SHA-256 in hex "
                                        "(64 characters 0-9a-f)")
         if self.keep_states is not None and os.path.exists(self.keep_states) and \

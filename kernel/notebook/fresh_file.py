@@ -115,15 +115,16 @@ def _check_output_path(source, output):
 
 def run_file(source, output, receipt_path, settings, timeout=None, cell_timeout=None,
              cwd=None, variables=(), lock=None, expected_environment=None, overwrite=False,
-             keep_states=None, on_cell=None):
+             keep_states=None, adopt_orphans=False, on_cell=None):
     """Run the notebook at `source` fresh; returns (exit status, receipt).
 
     Refused(BAD_INPUT), before anything else, when no receipt can be written
     at `receipt_path` (None: no receipt file); `on_cell(cell)` is called as
-    each cell ends. The other arguments are the command's options (README).
+    each cell ends; `adopt_orphans` is FreshRun's (for the command line only).
+    The other arguments are the command's options (README).
     """
     run = FreshRun([], settings, variables=variables, expected_environment=expected_environment,
-                   keep_states=keep_states, adopt_orphans=True, on_cell=on_cell)
+                   keep_states=keep_states, adopt_orphans=adopt_orphans, on_cell=on_cell)
     source_info = {"path": shown(source), "sha256": None}
     output_info = None if output is None else {"path": shown(output), "sha256": None,
                                                "written": False}
