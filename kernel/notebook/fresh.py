@@ -28,6 +28,7 @@ import datetime
 import hashlib
 import json
 import linecache
+import math
 import os
 import re
 import shutil
@@ -86,6 +87,8 @@ class Limits:
             max_code_cells=settings["fresh.max_code_cells"],
             memory_fuse_mb=settings["fresh.memory_fuse_mb"],
             cleanup_s=settings["fresh.cleanup_s"])
+        if not all(math.isfinite(v) for v in (limits.timeout_s, limits.cell_timeout_s)):
+            raise Refused("BAD_INPUT", "the timeouts must be finite numbers of seconds")
         if not limits.timeout_s > 0:
             raise Refused("BAD_INPUT", f"the run's timeout must be more than 0 s, "
                                        f"not {limits.timeout_s}")
