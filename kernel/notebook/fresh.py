@@ -429,9 +429,10 @@ class FreshRun:
             self.registry.close()  # kills the zygote (the subreaper) and waits for it
             Store.release(self.registry.settings["server.data_dir"])
             if self.adopt_orphans:
-                self._reap_own(deadline)
+                # Anything that escaped the zygote reached this process, a subreaper.
+                processes.Tracker(os.getpid()).kill_all(deadline)
             while True:
-                left = {p for p in self.tracker.alive() if not self.tracker.gone(p)}
+                left = self.tracker.alive()
                 if not left or time.monotonic() > deadline:
                     break
                 time.sleep(0.01)
@@ -447,20 +448,6 @@ class FreshRun:
             what = f"{len(left)} process(es) still alive" if left else \
                 f"the run's temporary folder {workdir} could not be removed"
             self.refuse("CLEANUP_FAILED", f"cleanup failed: {what}")
-
-    def _reap_own(self, deadline):
-        """Kill what reached this process (a subreaper) from the run, and reap it."""
-        mine = processes.Tracker(os.getpid())
-        mine.kill_all(deadline)
-        while True:
-            try:
-                pid, _ = os.waitpid(-1, os.WNOHANG)
-            except ChildProcessError:
-                return
-            if pid == 0:
-                if not mine.alive() or time.monotonic() > deadline:
-                    return
-                time.sleep(0.01)
 
 
 def _name(cell):

@@ -113,16 +113,24 @@ class Tracker:
     def kill_all(self, deadline):
         """SIGKILL every process of the tree but the root, and every observed one, until
         none is left (or until `deadline`, a time.monotonic()); returns those left.
+        The root may be this very process (a subreaper): it then reaps them itself.
 
         Each pass stops them all first (SIGSTOP), so none can fork a replacement
         while its siblings are being killed; a process forked before its parent
         stopped is found by the next pass. The root stays alive meanwhile: as
-        the subreaper it reaps what is killed, and orphans reach it, not init.
+        the subreaper it reaps what is killed (the loop waits for that too, so
+        no zombie is left to a parent that may not reap), and orphans reach it,
+        not init.
         """
         while True:
-            pids = self.alive()
-            self.remember(pids)
-            if not pids or time.monotonic() > deadline:
+            if self.root == os.getpid():
+                _reap_children()
+            procs = table()
+            pids = self.alive(procs)
+            for pid in pids:
+                self.seen.setdefault(pid, procs[pid][2])
+            if not descendants(self.root, procs) and not pids or \
+                    time.monotonic() > deadline:
                 return pids
             for sig in (signal.SIGSTOP, signal.SIGKILL):
                 for pid in pids:
@@ -132,14 +140,13 @@ class Tracker:
                         pass
             time.sleep(_KILL_PASS_S)
 
-    def remember(self, pids):
-        """Count `pids` as observed (found while cleaning up, between two polls)."""
-        procs = table()
-        for pid in pids:
-            if pid in procs:
-                self.seen.setdefault(pid, procs[pid][2])
 
-    def gone(self, pid):
-        """True if the observed process `pid` has ended and been reaped."""
-        info = _stat(pid)
-        return info is None or info[2] != self.seen.get(pid)
+def _reap_children():
+    """Reap every child of this process that has ended."""
+    while True:
+        try:
+            pid, _ = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid == 0:
+            return
