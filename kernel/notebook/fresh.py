@@ -3,8 +3,9 @@
 A fresh run starts machinery of its own: a Registry (kernel/server/) on a
 temporary store, whose pool spawns a brand-new zygote interpreter in the
 run's explicit environment and working directory (kernel/notebook/
-environment.py). No warm zygote (nothing is imported before the notebook
-imports it), no spare children, one live state at a time. The code cells
+environment.py). No warm zygote (of third-party modules, only the kernel's
+own, such as lmdb and cloudpickle, are imported before the notebook imports
+anything), no spare children, one live state at a time. The code cells
 run in order, each from the state the previous one made, starting from the
 empty `initial`; in practice all of them in one process, the child that
 ran the first cell (kernel/server/pool.py: the child that made a state
@@ -16,8 +17,9 @@ everything after interrupt_grace_s), the memory fuse (the summed Pss of the
 run's processes, polled: kills at once), and the processes the run started
 (kernel/notebook/processes.py), which it kills and reaps at the end,
 whatever happened, within the cleanup allowance. The output retained for the
-whole run is bounded by max_output_bytes; a cell that writes past it is
-interrupted as soon as the streamed output says so.
+whole run is bounded by max_output_bytes: the worker cuts one cell's output
+at that size as it writes (display.max_output_bytes), and the run fails as
+soon as a cell's outputs would take the total past it.
 
 A run fails with exactly one category (kernel/notebook/receipt.py
 CATEGORIES); receipt.build turns the run into its receipt.
