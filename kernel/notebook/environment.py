@@ -118,7 +118,11 @@ def kernel_identity(env, cwd, timeout):
     if done.returncode != 0:
         raise ProbeFailed(f"{sys.executable} failed to report its environment: "
                           f"{done.stderr.decode(errors='replace')[-500:]}")
-    found = json.loads(done.stdout)
+    try:
+        found = json.loads(done.stdout)
+    except ValueError:  # something in the environment printed on its stdout
+        raise ProbeFailed(f"{sys.executable} did not report its environment as JSON: "
+                          f"{done.stdout[:200]!r}") from None
     binary = files.sha256_file(os.path.realpath(found["executable"]))
     inventory = found["distributions"]
     environment = hashlib.sha256(json.dumps(
