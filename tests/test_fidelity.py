@@ -16,7 +16,7 @@ import re
 import nbformat
 import pytest
 
-from cellrun import run_cells
+import cells
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 NOTEBOOKS = sorted(glob.glob(os.path.join(HERE, "notebooks", "*.ipynb")))
@@ -158,24 +158,9 @@ def compare_notebook(jupyter_cells, run):
     return diffs
 
 
-def run_forked(sources):
-    """Run cells through kernel.cell in a forked process (what the worker does)."""
-    return [(r["outputs"], r["error"]) for r in run_cells(sources, {"display.figure_format": "png"})]
-
-
 def run_on_server(server):
     """A runner that sends each cell to POST /execute, chaining states like a client."""
-    def run(sources):
-        state = "initial"
-        results = []
-        for i, source in enumerate(sources):
-            answer = server.post("/execute", {"code": source, "exec_id": f"fid-{os.getpid()}-{i}",
-                                              "state_name": state}).json()
-            results.append((answer["output"], answer["error"]))
-            if answer.get("state_name"):
-                state = answer["state_name"]
-        return results
-    return run
+    return lambda sources: [(a["output"], a["error"]) for a in cells.run(server, *sources)]
 
 
 @pytest.fixture(scope="module")

@@ -309,7 +309,8 @@ def test_bad_command_lines(tmp_path):
 
     nb = tmp_path / "nb.ipynb"
     nbformat.write(nbformat.v4.new_notebook(cells=[cell(OK)]), str(nb))
-    assert "--fresh" in command(str(nb))
+    assert "only with --fresh" in command(str(nb), "--receipt", str(tmp_path / "r.json"))
+    assert "not with --fresh" in command(str(nb), "--fresh", "--rerun", "a")
     assert "differ" in command(str(nb), "--fresh", "-o", str(nb))
     assert "would overwrite" in command(str(nb), "--fresh", "--receipt", str(nb))
     assert nbformat.read(str(nb), as_version=4).cells[0].source == OK

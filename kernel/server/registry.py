@@ -178,6 +178,16 @@ class Registry:
         """Interrupt the run `exec_id`; False if none is running its cell."""
         return self.supervisor.interrupt(_key(exec_id))
 
+    def add_state(self, manifest):
+        """Store and name a state whose manifest the caller composed from other states'
+        groups (no process made it: the first execution from it restores it)."""
+        self.store.put_state(manifest["name"], manifest, {})
+        with self.lock:
+            old = self.names.get(manifest["name"])
+            self.names[manifest["name"]] = manifest
+        if old is not None and old["id"] != manifest["id"]:
+            self.pool.retire(old["id"])
+
     def _bind(self, manifest, child, generation):
         """Point the manifest's name at it and keep its child as the first spare.
 
