@@ -340,3 +340,9 @@ def test_fresh_run_over_http(server, tmp_path):
     r = server.post("/notebooks/run", {"notebook": "nb", "cells": [cells[0], cells[0]],
                                        "fresh": True})
     assert r.status_code == 400
+    # The options of each kind of run are refused on the other.
+    r = server.post("/notebooks/run", {"notebook": "nb", "cells": cells, "timeout": 5})
+    assert r.status_code == 400 and "fresh" in r.json()["error"]["message"]
+    r = server.post("/notebooks/run", {"notebook": "nb", "cells": cells, "fresh": True,
+                                       "order": "dataflow"})
+    assert r.status_code == 400 and "order" in r.json()["error"]["message"]
