@@ -30,6 +30,7 @@ from api.validation import check_body, check_state_name
 from kernel import config as config_mod
 from kernel import trace
 from kernel.errors import InvalidRequest
+from kernel.notebook import fresh, fresh_file, fresh_request
 from kernel.notebook.runner import Runner
 from kernel.server.registry import Registry
 from storage.store import StoreError, try_server_lock
@@ -336,10 +337,23 @@ def interrupt():
     return {"interrupted": get_runner().interrupt(wanted) or get_kernel().interrupt(wanted)}
 
 
+# The options of POST /notebooks/run that only a fresh run takes.
+FRESH_OPTIONS = ("timeout", "cell_timeout", "env", "cwd", "expected_environment")
+
+
 @route("POST", "/notebooks/run")
 def run_notebook():
-    """Bring every cell of a notebook up to date, running only what could have changed."""
+    """Bring every cell of a notebook up to date, running only what could have changed;
+    with "fresh": true, run every cell from scratch in a new interpreter, with a receipt."""
     data = body("/notebooks/run")
+    if data.get("fresh"):
+        incremental = [k for k in ("order", "rerun", "exec_id") if data.get(k) is not None]
+        if incremental:
+            raise BadRequest(f"{', '.join(incremental)}: not for a fresh run")
+        return fresh_request.run_request(data, settings())
+    fresh_only = [k for k in FRESH_OPTIONS if data.get(k) is not None]
+    if fresh_only:
+        raise BadRequest(f'{", ".join(fresh_only)}: only for a fresh run ("fresh": true)')
     return get_runner().run(data["notebook"], data["cells"], data.get("order") or "notebook",
                             data.get("rerun") or [], data.get("exec_id"))
 
@@ -481,7 +495,41 @@ def parse_run_args(argv):
     p.add_argument("--token", default=os.environ.get("SNAPSHOT_KERNEL_TOKEN"),
                    help="with --server: its token (or SNAPSHOT_KERNEL_TOKEN)")
     p.add_argument("--verbose", action="store_true", help="log the kernel to stderr")
-    return p.parse_args(argv)
+    fresh_group = p.add_argument_group(
+        "fresh runs", "--fresh: every cell from scratch in a new interpreter, within limits, "
+                      "without the store; the executed notebook is written only if every cell "
+                      "passed, and a receipt says what ran where")
+    fresh_group.add_argument("--fresh", action="store_true", help="run fresh")
+    fresh_group.add_argument("--receipt", help="where to write the run's receipt (JSON)")
+    fresh_group.add_argument("--timeout", type=float, help="whole-run deadline in seconds")
+    fresh_group.add_argument("--cell-timeout", type=float,
+                             help="longest run of one cell in seconds (0: none)")
+    fresh_group.add_argument("--cwd", help="working directory of the cells "
+                                           "(default: the notebook's)")
+    fresh_group.add_argument("--env", action="extend", nargs="+", default=[], metavar="NAME",
+                             help="pass this variable from the environment (must be set)")
+    fresh_group.add_argument("--lock", help="a lock file whose hash and path the receipt "
+                                            "records")
+    fresh_group.add_argument("--expected-environment", metavar="SHA256",
+                             help="refuse to run unless the kernel's environment has this "
+                                  "hash")
+    fresh_group.add_argument("--overwrite", action="store_true",
+                             help="replace an existing output")
+    fresh_group.add_argument("--keep-states", metavar="DIR",
+                             help="keep the run's states in this new store folder")
+    args = p.parse_args(argv)
+    fresh_only = ("receipt", "timeout", "cell_timeout", "cwd", "env", "lock",
+                  "expected_environment", "overwrite", "keep_states")
+    store_only = ("rerun", "data_dir", "server")
+    given = [name for name in (fresh_only if not args.fresh else store_only)
+             if getattr(args, name) not in (None, [], False)]
+    if args.fresh and args.order != "notebook":
+        given.append("order")
+    if given:
+        flags = ", ".join("--" + name.replace("_", "-") for name in given)
+        p.error(f"{flags}: only with --fresh" if not args.fresh
+                else f"{flags}: not with --fresh (a fresh run uses no store)")
+    return args
 
 
 class RunRefused(Exception):
@@ -492,6 +540,8 @@ def run_command(argv):
     """`main.py run NB.ipynb ...`: returns the exit status."""
     from kernel.notebook import ipynb
     args = parse_run_args(argv)
+    if args.fresh:
+        return _run_fresh(args)
     try:
         notebook = ipynb.read(args.notebook)
         cells = ipynb.code_cells(notebook)
@@ -512,6 +562,41 @@ def run_command(argv):
         return 1
     print(f"wrote {args.output or args.notebook}", file=sys.stderr)
     return 0 if all(c["status"] in ("ran", "reused") for c in record["cells"]) else 1
+
+
+def _run_fresh(args):
+    """`main.py run --fresh`: the run without a server or store; the exit status."""
+    try:
+        settings = config_mod.load(args.config)
+    except config_mod.ConfigError as exc:
+        print(f"main.py run: error: {exc}", file=sys.stderr)
+        return 2
+
+    def progress(cell):
+        """One line per code cell as it ends."""
+        took = f" {cell.seconds:.2f} s" if cell.status in ("ran", "failed") else ""
+        print(f"cell {cell.index} ({cell.id}): {cell.status}{took}", file=sys.stderr,
+              flush=True)
+
+    try:
+        status, receipt = fresh_file.run_file(
+            args.notebook, args.output, args.receipt, settings, timeout=args.timeout,
+            cell_timeout=args.cell_timeout, cwd=args.cwd, variables=args.env,
+            lock=args.lock, expected_environment=args.expected_environment,
+            overwrite=args.overwrite, keep_states=args.keep_states, adopt_orphans=True,
+            on_cell=progress)
+    except fresh.Refused as exc:
+        print(f"main.py run: error: {exc}", file=sys.stderr)
+        return 2
+    except OSError as exc:
+        print(f"main.py run: error: cannot write the receipt {args.receipt}: {exc.strerror}",
+              file=sys.stderr)
+        return 2
+    counts = receipt["counts"]
+    print(f"{'passed' if receipt['success'] else 'FAILED ' + receipt['category']}: "
+          f"{counts['completed']} cell(s) ran, {counts['failed']} failed, {counts['skipped']} "
+          f"skipped, in {receipt['seconds']:.2f} s. {receipt['message']}", file=sys.stderr)
+    return status
 
 
 def _run_here(args, name, cells, progress):

@@ -89,8 +89,9 @@ _NOTEBOOK_CELL = {
                 "description": "SHA-256 the cell's result is stored under; null when the "
                                "cell cannot run"},
         "status": {"type": "string", "enum": ["ran", "reused", "failed", "blocked", "not_run",
-                                              "pending", "running"],
-                   "description": "pending and running only while the run goes on"},
+                                              "pending", "running", "skipped", "empty"],
+                   "description": "pending and running only while the run goes on; "
+                                  "skipped and empty only in fresh runs"},
         "took_s": {"type": "number", "nullable": True},
         "outputs": {"type": "array", "items": _OUTPUT},
         "error": _CELL_ERROR,
@@ -123,6 +124,8 @@ _NOTEBOOK_RECORD = {
         "running": {"type": "boolean"},
         "started": {"type": "string"},
         "finished": {"type": "string", "nullable": True},
+        "receipt": {"type": "object", "description": "A fresh run's receipt (its JSON "
+                                                     "Schema is in the README)"},
     },
 }
 
@@ -247,20 +250,46 @@ def document(version="0.3.0"):
                                  "Whether such an execution was running", body_errors)}},
         "/notebooks/run": {"post": {
             "summary": "Bring every cell of a notebook up to date: run only the cells whose "
-                       "result could have changed, reuse the others' stored results",
+                       "result could have changed, reuse the others' stored results; "
+                       "\"fresh\": true runs them all from scratch in a new interpreter, "
+                       "within limits, with a receipt",
             "requestBody": _body({
                 "notebook": _STATE_NAME,
                 "cells": {"type": "array", "items": {
                     "type": "object", "required": ["id", "source"],
                     "properties": {"id": {"type": "string", "minLength": 1},
-                                   "source": {"type": "string"}}}},
+                                   "source": {"type": "string"},
+                                   "tags": dict(_NAMES, description="fresh runs: no-execute "
+                                                "or skip-execution skips the cell")}}},
                 "order": {"type": "string", "enum": ["notebook", "dataflow"],
                           "nullable": True},
                 "rerun": dict(_NAMES, nullable=True,
                               description="Cell ids to run, with everything downstream, "
                                           "even if nothing changed"),
-                "exec_id": dict(_EXEC_ID, nullable=True)}, ["notebook", "cells"]),
-            "responses": _answer(_NOTEBOOK_RECORD, "The run's record",
+                "exec_id": dict(_EXEC_ID, nullable=True),
+                "fresh": {"type": "boolean", "nullable": True,
+                          "description": "Run every cell from scratch in a new interpreter, "
+                                         "within limits, keeping no state; the answer adds "
+                                         "the receipt. The options below are for fresh runs "
+                                         "only"},
+                "timeout": {"type": "number", "nullable": True,
+                            "description": "Whole-run deadline in seconds (fresh.timeout_s)"},
+                "cell_timeout": {"type": "number", "nullable": True,
+                                 "description": "Longest cell in seconds, 0 = none "
+                                                "(fresh.cell_timeout_s)"},
+                "env": dict(_NAMES, nullable=True,
+                            description="Variables of the server's environment passed to the "
+                                        "run (must be set; no secrets)"),
+                "cwd": {"type": "string", "nullable": True,
+                        "description": "Absolute working directory (default: a temporary "
+                                       "folder)"},
+                "expected_environment": {
+                    "type": "string", "nullable": True, "pattern": "^[0-9a-f]{64}$",
+                    "description": "Refuse to run unless the kernel's environment SHA-256 "
+                                   "is this"}},
+                ["notebook", "cells"]),
+            "responses": _answer(_NOTEBOOK_RECORD, "The run's record (a failed fresh run "
+                                                   "answers 200 too: see its receipt)",
                                  body_errors + (409, 507))}},
         "/notebooks": {"get": {
             "summary": "Every notebook with a record",

@@ -115,6 +115,14 @@ class Store:
             store = cls._per_process[key] = cls(path, **options)
         return store
 
+    @classmethod
+    def release(cls, path):
+        """Close the calling process's handle on the store at `path`, if it has one
+        (a process that opened a temporary store, e.g. for a fresh run, and is done)."""
+        store = cls._per_process.pop((os.getpid(), path), None)
+        if store is not None:
+            store.env.close()
+
     def _check_format(self):
         """Write the format record of a new store, upgrade a format 1 one; refuse
         one of another format."""

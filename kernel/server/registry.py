@@ -23,8 +23,9 @@ INITIAL = "initial"
 class Registry:
     """Named states on a store, executed through forked workers."""
 
-    def __init__(self, settings):
-        """Open the store, load the manifests, start the worker pool."""
+    def __init__(self, settings, env=None, cwd=None):
+        """Open the store, load the manifests, start the worker pool (its zygote in
+        environment `env` and folder `cwd`: see Pool)."""
         self.settings = settings
         trace.configure(settings, "server")
         self.store = Store.for_process(settings["server.data_dir"],
@@ -35,7 +36,7 @@ class Registry:
         self.names = self.store.manifests()
         self._ensure_initial()
         self.generation = 0  # bumped by reset: results of runs started before it are void
-        self.pool = Pool(settings)
+        self.pool = Pool(settings, env, cwd)
         self.supervisor = Supervisor(settings, self.pool)
         self.pool.start()
 

@@ -32,7 +32,7 @@ def zygote_main(sock_path, settings):
     limits.init_zygote()
     from kernel.worker import holder, runner  # every holder runs cells: imported once, here
     runner.capture.watch_imports()
-    warm = os.fork() == 0
+    warm = settings["workers.warm_zygote"] and os.fork() == 0
     if warm:
         # Neither attribute survives a fork; the warm zygote dies with the cold one.
         prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
