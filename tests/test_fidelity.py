@@ -117,8 +117,9 @@ def compare_cell(index, source, expected, actual, actual_error):
     return None
 
 
-def run_in_jupyter(paths):
-    """Execute notebooks through ipykernel, a few at once; {path: [(source, outputs)]}."""
+def run_in_jupyter(paths, kernel_name="python3"):
+    """Execute notebooks through a kernel (ipykernel's by default), a few at once;
+    {path: [(source, outputs)]}."""
     import asyncio
 
     from nbclient import NotebookClient
@@ -127,7 +128,7 @@ def run_in_jupyter(paths):
         """Run one notebook when a slot is free."""
         async with gate:
             nb = nbformat.read(path, as_version=4)
-            client = NotebookClient(nb, timeout=120, kernel_name="python3", allow_errors=True,
+            client = NotebookClient(nb, timeout=120, kernel_name=kernel_name, allow_errors=True,
                                     resources={"metadata": {"path": HERE}})
             await client.async_execute()
             return path, [(c.source, c.outputs) for c in nb.cells if c.cell_type == "code"]
