@@ -8,6 +8,7 @@ kernels share the server they start on that kernelspec's private store.
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -317,3 +318,104 @@ def test_server_stops_when_no_kernel_is_left(data_dir):
     psutil.wait_procs([supervisor, server], timeout=IDLE_S + 60)
     assert not supervisor.is_running() and not server.is_running()
     assert server_info(data_dir) is None
+
+
+def test_jupyterlab_in_chromium(data_dir, tmp_path):
+    """In JupyterLab in a real browser: run a cell, restart the kernel, read the variable back."""
+    pytest.importorskip("jupyterlab")
+    webdriver = pytest.importorskip("selenium.webdriver")
+    from selenium.webdriver.chrome.service import Service
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.common.keys import Keys
+    from conftest import free_port
+    chromium, driver = shutil.which("chromium"), shutil.which("chromedriver")
+    if not (chromium and driver):
+        pytest.skip("Debian's chromium and chromium-driver are not installed (.ci/run does it)")
+    root = tmp_path / "notebooks"
+    root.mkdir()
+    nb = nbformat.v4.new_notebook()
+    nb.metadata.kernelspec = {"name": SPEC, "display_name": f"Python (snapshot: {SPEC})",
+                              "language": "python"}
+    nb.cells = [nbformat.v4.new_code_cell("")]
+    nbformat.write(nb, root / "restart.ipynb")
+    port, token = free_port(), "lab-token"
+    log = open(tmp_path / "jupyterlab.log", "wb")
+    lab = subprocess.Popen(
+        [sys.executable, "-m", "jupyterlab", "--no-browser", "--allow-root",
+         "--ServerApp.ip=127.0.0.1", f"--ServerApp.port={port}", "--ServerApp.port_retries=0",
+         f"--IdentityProvider.token={token}", f"--ServerApp.root_dir={root}"],
+        env={**os.environ, "JUPYTER_CONFIG_DIR": str(tmp_path / "config"),
+             "JUPYTER_RUNTIME_DIR": str(tmp_path / "runtime")},
+        stdout=log, stderr=log, stdin=subprocess.DEVNULL)
+    options = webdriver.ChromeOptions()
+    options.binary_location = chromium
+    for arg in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--disable-gpu",
+                "--window-size=1400,900"):
+        options.add_argument(arg)
+    browser = None
+
+    def kernel_pids():
+        """The pids of JupyterLab's running snapshot kernels."""
+        pids = set()
+        for p in psutil.Process(lab.pid).children():
+            try:
+                if "kernel.jupyter.kernel" in " ".join(p.cmdline()):
+                    pids.add(p.pid)
+            except psutil.Error:
+                pass  # a kernel that just exited
+        return pids
+
+    def idle():
+        """True when the status bar shows the notebook's snapshot kernel idle."""
+        return browser.execute_script(
+            "return Array.from(document.querySelectorAll('.jp-StatusBar-TextItem'))"
+            ".some(e => e.textContent === arguments[0])", f"Python (snapshot: {SPEC}) | Idle")
+
+    def run_in_last_cell(code):
+        """Type `code` into the notebook's last cell and run it (Shift+Enter)."""
+        editor = browser.find_elements(By.CSS_SELECTOR, ".jp-Notebook .jp-Cell .cm-content")[-1]
+        editor.click()
+        for i, line in enumerate(code.split("\n")):
+            editor.send_keys(*([Keys.ENTER] if i else []), line)
+        editor.send_keys(Keys.SHIFT, Keys.ENTER)
+
+    def outputs():
+        """The texts of the output areas on the page."""
+        return [e.text for e in browser.find_elements(By.CSS_SELECTOR, ".jp-OutputArea-output")]
+
+    try:
+        import requests
+        wait_for(lambda: lab.poll() is None and _answers(requests, f"http://127.0.0.1:{port}"
+                                                         f"/api/status?token={token}"),
+                 what="JupyterLab to start")
+        browser = webdriver.Chrome(service=Service(driver), options=options)
+        browser.get(f"http://127.0.0.1:{port}/lab/tree/restart.ipynb?token={token}")
+        wait_for(idle, timeout=120, what="the notebook's kernel to be idle")
+        run_in_last_cell("answer = 41\nprint('before restart:', answer)")
+        wait_for(lambda: "before restart: 41" in outputs(), what="the first cell's output")
+        before = kernel_pids()
+        browser.find_element(By.CSS_SELECTOR,
+                             'jp-button[data-command="notebook:restart-kernel"]').click()
+        wait_for(lambda: browser.find_elements(By.CSS_SELECTOR, ".jp-Dialog .jp-mod-accept"),
+                 what="the restart dialog")
+        browser.find_element(By.CSS_SELECTOR, ".jp-Dialog .jp-mod-accept").click()
+        wait_for(lambda: kernel_pids() and not kernel_pids() & before,
+                 what="a new kernel process")
+        wait_for(idle, timeout=120, what="the restarted kernel to be idle")
+        run_in_last_cell("print('after restart:', answer + 1)")
+        wait_for(lambda: "after restart: 42" in outputs(), what="the second cell's output")
+    finally:
+        if browser is not None:
+            browser.save_screenshot(str(tmp_path / "jupyterlab.png"))
+            browser.quit()
+        lab.terminate()
+        lab.wait(60)
+        log.close()
+
+
+def _answers(requests, url):
+    """True when `url` answers 200."""
+    try:
+        return requests.get(url, timeout=5).ok
+    except requests.ConnectionError:
+        return False
