@@ -126,10 +126,10 @@ class Managed:
         with open(log_path, "ab") as log:
             # The server's working directory is the kernel's: cells find the files
             # beside the notebook that started it.
+            idle_s = str(self.settings["jupyter.server_idle_s"])
             self.supervisor = subprocess.Popen(
-                [sys.executable, SUPERVISOR, self.folder, str(self.settings["jupyter.server_idle_s"]),
-                 "--", *command], env=env, stdin=subprocess.DEVNULL, stdout=log, stderr=log,
-                start_new_session=True)
+                [sys.executable, SUPERVISOR, self.folder, idle_s, "--", *command], env=env,
+                stdin=subprocess.DEVNULL, stdout=log, stderr=log, start_new_session=True)
         client = Client(f"http://127.0.0.1:{port}", token,
                         self.settings["jupyter.request_timeout_s"])
         deadline = time.monotonic() + self.settings["jupyter.server_start_timeout_s"]

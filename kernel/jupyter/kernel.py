@@ -146,10 +146,12 @@ class SnapshotKernel(Kernel):
     def _run_magics(self, calls):
         """Run the kernel's magics of a cell, one after the other."""
         for name, argument in calls:
+            before = self.session_name
             text, self.session_name = self.magics.run(self.session_name, name, argument)
             self.send_response(self.iopub_socket, "stream", {"name": "stdout", "text": text})
-        session = self.sessions.load(self.session_name)
-        self.execution_count = max(self.execution_count, session.next - 1)
+            if self.session_name != before:
+                # Cell numbers are the session's: %checkout N means its cell N.
+                self.execution_count = self.sessions.load(self.session_name).next - 1
         return self._ok()
 
     def _run_silent(self, code):
