@@ -17,8 +17,9 @@ import time
 import nbformat
 import psutil
 import pytest
+import requests
 
-from conftest import ROOT
+from conftest import ROOT, free_port
 from test_fidelity import NOTEBOOKS, compare_notebook, run_in_jupyter, run_on_server
 
 pytest.importorskip("ipykernel")
@@ -327,7 +328,6 @@ def test_jupyterlab_in_chromium(data_dir, tmp_path):
     from selenium.webdriver.chrome.service import Service
     from selenium.webdriver.common.by import By
     from selenium.webdriver.common.keys import Keys
-    from conftest import free_port
     chromium, driver = shutil.which("chromium"), shutil.which("chromedriver")
     if not (chromium and driver):
         pytest.skip("Debian's chromium and chromium-driver are not installed (.ci/run does it)")
@@ -384,10 +384,8 @@ def test_jupyterlab_in_chromium(data_dir, tmp_path):
         return [e.text for e in browser.find_elements(By.CSS_SELECTOR, ".jp-OutputArea-output")]
 
     try:
-        import requests
-        wait_for(lambda: lab.poll() is None and _answers(requests, f"http://127.0.0.1:{port}"
-                                                         f"/api/status?token={token}"),
-                 what="JupyterLab to start")
+        wait_for(lambda: lab.poll() is None and _answers(
+            f"http://127.0.0.1:{port}/api/status?token={token}"), what="JupyterLab to start")
         browser = webdriver.Chrome(service=Service(driver), options=options)
         browser.get(f"http://127.0.0.1:{port}/lab/tree/restart.ipynb?token={token}")
         wait_for(idle, timeout=120, what="the notebook's kernel to be idle")
@@ -413,7 +411,7 @@ def test_jupyterlab_in_chromium(data_dir, tmp_path):
         log.close()
 
 
-def _answers(requests, url):
+def _answers(url):
     """True when `url` answers 200."""
     try:
         return requests.get(url, timeout=5).ok
