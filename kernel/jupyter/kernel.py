@@ -24,6 +24,7 @@ from kernel.jupyter.backend import backend
 from kernel.jupyter.client import ServerError
 from kernel.jupyter.sessions import Sessions
 
+
 def _version():
     """This package's version."""
     try:
