@@ -67,8 +67,9 @@ class Client:
 
         Events are the NDJSON lines of a streamed /execute, as the server sends
         them: {"type": "output", "output": {...}}, {"type": "clear_output",
-        "wait": bool}, and last {"type": "answer", "answer": {...}}. The request
-        is sent before this returns, so a server that is not there raises here.
+        "wait": bool}, and last {"type": "answer", "answer": {...}}; an error
+        line raises ServerError. The request is sent before this returns, so a
+        server that is not there raises here.
         """
         body = {"code": code, "exec_id": exec_id, "state_name": state,
                 "new_state_name": new_name, "stream": True}
@@ -78,15 +79,20 @@ class Client:
         return self._events(response)
 
     def _events(self, response):
-        """The events of a streamed /execute answer."""
+        """The events of a streamed /execute answer, up to its answer."""
         with response:
             if not response.headers.get("Content-Type", "").startswith("application/x-ndjson"):
-                yield {"type": "answer", "answer": response.json()}
-                return
+                raise ServerError(f"the server at {self.url} does not stream its answers "
+                                  f"(\"stream\": true): it is older than this kernel",
+                                  "ServerTooOld")
             try:
                 for line in response.iter_lines(chunk_size=None):
-                    if line:
-                        yield json.loads(line)
+                    event = json.loads(line) if line else {}
+                    if event.get("type") == "error":
+                        # The server failed after the cell began: the stream ends here.
+                        raise ServerError(event["error"]["message"], event["error"]["type"])
+                    if event:
+                        yield event
             except requests.RequestException as exc:
                 raise ServerError(f"the snapshot server at {self.url} stopped answering "
                                   f"while the cell ran: {exc}", "ServerUnreachable") from None

@@ -178,15 +178,13 @@ class SnapshotKernel(Kernel):
         head, new_name = session.head, session.state_name(n)
         exec_id = f"jupyter-{uuid.uuid4().hex}"
         self.running = exec_id
-        answer, streamed, shown = None, False, False
+        answer, shown = None, False
         try:
             events = self._server_call(lambda c: c.execute(code, exec_id, head, new_name))
             for event in events:
                 if event["type"] == "output":
-                    streamed = True
                     shown |= self._publish(event["output"])
                 elif event["type"] == "clear_output":
-                    streamed = True
                     self.send_response(self.iopub_socket, "clear_output",
                                        {"wait": event["wait"]})
                 elif event["type"] == "answer":
@@ -195,9 +193,6 @@ class SnapshotKernel(Kernel):
             self.running = None
         if answer is None:
             raise ServerError("the server's answer ended before the cell's", "ServerUnreachable")
-        if not streamed:
-            for out in answer["output"]:
-                shown |= self._publish(out)
         if answer.get("state_name"):
             with self.sessions.change(self.session_name) as session:
                 session.head = answer["state_name"]
