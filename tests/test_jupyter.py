@@ -159,9 +159,11 @@ def test_kernel_info_and_cells(kernel):
     assert "%undo" in info["banner"]
     content, outputs = kernel.run("x = 6 * 7\nprint('x is', x)\nx")
     assert content["status"] == "ok"
-    assert [o["msg_type"] for o in outputs] == ["stream", "execute_result"]
-    assert outputs[0]["text"] == "x is 42\n"
-    assert outputs[1]["execution_count"] == content["execution_count"]
+    # The printed line may come in pieces (each as it is written), then the result.
+    assert {o["msg_type"] for o in outputs[:-1]} == {"stream"}
+    assert "".join(o["text"] for o in outputs[:-1]) == "x is 42\n"
+    assert outputs[-1]["msg_type"] == "execute_result"
+    assert outputs[-1]["execution_count"] == content["execution_count"]
     again, _ = kernel.run("x")
     assert again["execution_count"] == content["execution_count"] + 1
 
@@ -228,7 +230,7 @@ def test_interrupt(kernel):
     while True:
         msg = kernel.client.get_iopub_msg(timeout=max(0.1, deadline - time.monotonic()))
         if msg["parent_header"].get("msg_id") == msg_id and msg["msg_type"] == "stream":
-            assert msg["content"]["text"] == "sleeping\n"
+            assert msg["content"]["text"].startswith("sleeping")
             break
     started = time.monotonic()
     kernel.manager.interrupt_kernel()

@@ -22,6 +22,7 @@ import secrets
 import socket
 import subprocess
 import sys
+import threading
 import time
 
 from jupyter_core.paths import jupyter_data_dir
@@ -112,8 +113,6 @@ class Managed:
 
     def _start(self):
         """Start a server on the private store, wait until it answers, write server.json."""
-        if self.supervisor is not None:
-            self.supervisor.poll()  # reap the supervisor of a server that died
         port = _free_port()
         token = secrets.token_urlsafe(32)
         command = [sys.executable, os.path.join(ROOT, "main.py"), "--bind", f"127.0.0.1:{port}",
@@ -130,11 +129,15 @@ class Managed:
             self.supervisor = subprocess.Popen(
                 [sys.executable, SUPERVISOR, self.folder, idle_s, "--", *command], env=env,
                 stdin=subprocess.DEVNULL, stdout=log, stderr=log, start_new_session=True)
+        # Reaped as soon as it ends, so it leaves no zombie while this kernel lives;
+        # its returncode then tells the wait below that the server did not start.
+        threading.Thread(target=self.supervisor.wait, name="supervisor-reaper",
+                         daemon=True).start()
         client = Client(f"http://127.0.0.1:{port}", token,
                         self.settings["jupyter.request_timeout_s"])
         deadline = time.monotonic() + self.settings["jupyter.server_start_timeout_s"]
         while not client.healthy():
-            if self.supervisor.poll() is not None:
+            if self.supervisor.returncode is not None:
                 raise ServerError(f"the snapshot server did not start:\n{_tail(log_path)}",
                                   "ServerStartFailed")
             if time.monotonic() > deadline:

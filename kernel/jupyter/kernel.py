@@ -19,7 +19,7 @@ from ipykernel.kernelbase import Kernel
 from traitlets import Unicode
 
 from kernel import config as config_mod
-from kernel.jupyter import introspect, magics
+from kernel.jupyter import introspect, iopub, magics
 from kernel.jupyter.backend import backend
 from kernel.jupyter.client import ServerError
 from kernel.jupyter.sessions import Sessions
@@ -178,19 +178,27 @@ class SnapshotKernel(Kernel):
         head, new_name = session.head, session.state_name(n)
         exec_id = f"jupyter-{uuid.uuid4().hex}"
         self.running = exec_id
-        answer, shown = None, False
+        parent = self.get_parent("shell")
+
+        def send(msg_type, content):
+            """Publish one iopub message of this cell (also from the flush timer's thread)."""
+            self.session.send(self.iopub_socket, msg_type, content, parent,
+                              ident=self._topic(msg_type))
+
+        publisher = iopub.Publisher(send, n, self.settings["jupyter.stream_flush_s"])
+        answer = None
         try:
             events = self._server_call(lambda c: c.execute(code, exec_id, head, new_name))
             for event in events:
                 if event["type"] == "output":
-                    shown |= self._publish(event["output"])
+                    publisher.output(event["output"])
                 elif event["type"] == "clear_output":
-                    self.send_response(self.iopub_socket, "clear_output",
-                                       {"wait": event["wait"]})
+                    publisher.clear_output(event["wait"])
                 elif event["type"] == "answer":
                     answer = event["answer"]
         finally:
             self.running = None
+            publisher.flush()
         if answer is None:
             raise ServerError("the server's answer ended before the cell's", "ServerUnreachable")
         if answer.get("state_name"):
@@ -203,27 +211,8 @@ class SnapshotKernel(Kernel):
             return self._fail("StateNotFound", f"the head of session {self.session_name!r}, "
                               f"state {head!r}, is no longer on the server: %checkout another "
                               f"cell or state, or %session NAME for a new session", False)
-        return self._fail(error["ename"], error["evalue"], False, error["traceback"], shown)
-
-    def _publish(self, out):
-        """Send one nbformat output to the front end; True if it was the cell's error."""
-        kind = out["output_type"]
-        if kind == "stream":
-            self.send_response(self.iopub_socket, "stream",
-                               {"name": out["name"], "text": out["text"]})
-        elif kind == "execute_result":
-            self.send_response(self.iopub_socket, "execute_result", {
-                "execution_count": self.execution_count, "data": out["data"],
-                "metadata": out.get("metadata", {})})
-        elif kind in ("display_data", "update_display_data"):
-            self.send_response(self.iopub_socket, kind, {
-                "data": out["data"], "metadata": out.get("metadata", {}),
-                "transient": out.get("transient", {})})
-        elif kind == "error":
-            self.send_response(self.iopub_socket, "error", {
-                "ename": out["ename"], "evalue": out["evalue"], "traceback": out["traceback"]})
-            return True
-        return False
+        return self._fail(error["ename"], error["evalue"], False, error["traceback"],
+                          publisher.error_shown)
 
     async def interrupt_request(self, stream, ident, parent):
         """Stop the running cell through /interrupt (the kernel itself gets no signal)."""
