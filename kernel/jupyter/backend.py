@@ -78,7 +78,6 @@ class Managed:
         self.sessions_folder = os.path.join(self.folder, "sessions")
         self.settings = settings
         self.config_file = config_file
-        self.client = None
         self.supervisor = None
         self.where = self.folder
         self._kernels_lock = None
@@ -104,12 +103,10 @@ class Managed:
                 client = Client(info["url"], info["token"],
                                 self.settings["jupyter.request_timeout_s"])
                 if client.healthy():
-                    self.client = client
                     return client
             except (OSError, ValueError, KeyError, TypeError):
                 pass  # no server yet, or the file of one that is gone
-            self.client = self._start()
-            return self.client
+            return self._start()
 
     def _start(self):
         """Start a server on the private store, wait until it answers, write server.json."""
