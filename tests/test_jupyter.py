@@ -415,7 +415,7 @@ def test_jupyterlab_in_chromium(data_dir, tmp_path):
         try:
             lab.wait(30)
         except subprocess.TimeoutExpired:
-            lab.kill()  # a server whose folders went away can hang in its shutdown
+            lab.kill()  # seen once: JupyterLab did not stop on SIGTERM
             lab.wait()
         log.close()
 
