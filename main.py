@@ -430,11 +430,15 @@ def parse_args(argv):
 
 
 def main(argv=None):
-    """Start the server (or, with `run` first, run a notebook); SIGTERM or Ctrl-C stop it."""
+    """Start the server (or, with `run` first, run a notebook; with `install-kernelspec`,
+    install the Jupyter kernel); SIGTERM or Ctrl-C stop it."""
     global _settings
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["run"]:
         sys.exit(run_command(argv[1:]))
+    if argv[:1] == ["install-kernelspec"]:
+        from kernel.jupyter.kernelspec import main as install_kernelspec
+        return install_kernelspec(argv[1:])
     args = parse_args(argv)
     # Workers inherit the environment: cells must not find the token there.
     os.environ.pop("SNAPSHOT_KERNEL_TOKEN", None)
