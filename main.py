@@ -19,6 +19,7 @@ import queue
 import signal
 import sys
 import threading
+import time
 import urllib.parse
 
 import bottle
@@ -28,6 +29,9 @@ from api.errors import BadRequest, PayloadTooLarge, status_of
 from api.validation import check_body, check_state_name
 from kernel import config as config_mod
 from kernel import trace
+from kernel.errors import InvalidRequest
+from kernel.notebook import fresh, fresh_file, fresh_request
+from kernel.notebook.runner import Runner
 from kernel.server.registry import Registry
 from storage.store import StoreError, try_server_lock
 
@@ -35,18 +39,39 @@ app = bottle.Bottle()
 log = logging.getLogger("snapshot_kernel")
 
 _kernel = None
+_runner = None
 _kernel_lock = threading.Lock()
 _settings = None
 
 
 def lock_store(data_dir):
-    """The store's server lock (one server per store), or StoreError naming the folder."""
+    """The store's server lock (one server per store), or StoreError naming the folder
+    and, as the lock file says, who holds it."""
     os.makedirs(data_dir, exist_ok=True)
     lock = try_server_lock(data_dir)
     if lock is None:
-        raise StoreError(f"another server is already using the store at {data_dir}; "
-                         f"stop it or choose another --data-dir")
+        holder = lock_holder(data_dir)
+        raise StoreError(f"another server is already using the store at {data_dir}"
+                         f"{f' ({holder})' if holder else ''}; stop it or choose another "
+                         f"--data-dir")
     return lock
+
+
+def note_holder(lock, text):
+    """Say in the held lock file who holds it (read when someone else is refused)."""
+    lock.seek(0)
+    lock.truncate()
+    lock.write(text)
+    lock.flush()
+
+
+def lock_holder(data_dir):
+    """Who holds the store's lock, as its holder wrote it ("" if it did not)."""
+    try:
+        with open(os.path.join(data_dir, "server.lock")) as f:
+            return f.read().strip()
+    except OSError:
+        return ""
 
 
 def settings():
@@ -70,6 +95,16 @@ def get_kernel():
             _kernel = Registry(s)
             atexit.register(_kernel.close)
         return _kernel
+
+
+def get_runner():
+    """The notebook runner on the kernel, made on first use."""
+    global _runner
+    kernel = get_kernel()
+    with _kernel_lock:
+        if _runner is None:
+            _runner = Runner(kernel)
+        return _runner
 
 
 def _token_ok():
@@ -234,20 +269,20 @@ def list_states():
     return {"states": get_kernel().list_states()}
 
 
-def path_name(name):
-    """The state name of /states/NAME, decoded from the raw request path.
+def path_name(name, prefix="/states/", what="the state name"):
+    """The state name of /states/NAME (or notebook name of /notebooks/NAME), decoded
+    from the raw request path.
 
     The WSGI server leaves an encoded slash (%2F) encoded in the path, so a
     client that quotes `a/b` as `a%2Fb` would miss the state: decode the raw
     URI ourselves where the server gives it.
     """
     raw = bottle.request.environ.get("REQUEST_URI", "").split("?", 1)[0]
-    prefix = "/states/"
     if raw.startswith(prefix):
         # WSGI strings carry the raw bytes as latin-1; names are UTF-8.
         name = urllib.parse.unquote_to_bytes(raw[len(prefix):].encode("latin-1")).decode(
             "utf-8", "surrogateescape")
-    return check_state_name(name, "the state name")
+    return check_state_name(name, what)
 
 
 @route("GET", "/states/<name:path>")
@@ -289,15 +324,58 @@ def rebuild_state():
 
 @route("POST", "/reset")
 def reset():
-    """Drop every state; `initial` remains."""
+    """Drop every state, stored result and notebook record; `initial` remains."""
     get_kernel().reset()
+    get_runner().clear()
     return {"status": "ok"}
 
 
 @route("POST", "/interrupt")
 def interrupt():
-    """Interrupt a running execution."""
-    return {"interrupted": get_kernel().interrupt(body("/interrupt")["exec_id"])}
+    """Interrupt a running execution, or a notebook run and its running cell."""
+    wanted = body("/interrupt")["exec_id"]
+    return {"interrupted": get_runner().interrupt(wanted) or get_kernel().interrupt(wanted)}
+
+
+# The options of POST /notebooks/run that only a fresh run takes.
+FRESH_OPTIONS = ("timeout", "cell_timeout", "env", "cwd", "expected_environment")
+
+
+@route("POST", "/notebooks/run")
+def run_notebook():
+    """Bring every cell of a notebook up to date, running only what could have changed;
+    with "fresh": true, run every cell from scratch in a new interpreter, with a receipt."""
+    data = body("/notebooks/run")
+    if data.get("fresh"):
+        incremental = [k for k in ("order", "rerun", "exec_id") if data.get(k) is not None]
+        if incremental:
+            raise BadRequest(f"{', '.join(incremental)}: not for a fresh run")
+        return fresh_request.run_request(data, settings())
+    fresh_only = [k for k in FRESH_OPTIONS if data.get(k) is not None]
+    if fresh_only:
+        raise BadRequest(f'{", ".join(fresh_only)}: only for a fresh run ("fresh": true)')
+    return get_runner().run(data["notebook"], data["cells"], data.get("order") or "notebook",
+                            data.get("rerun") or [], data.get("exec_id"))
+
+
+@route("GET", "/notebooks")
+def list_notebooks():
+    """Every notebook with a record."""
+    return {"notebooks": get_runner().names()}
+
+
+@route("GET", "/notebooks/<name:path>")
+def get_notebook(name):
+    """A notebook's last run (or the one in progress), cell by cell."""
+    return get_runner().get(path_name(name, "/notebooks/", "the notebook name"))
+
+
+@route("DELETE", "/notebooks/<name:path>")
+def delete_notebook(name):
+    """Forget a notebook's record (the results stay, shared with other notebooks)."""
+    name = path_name(name, "/notebooks/", "the notebook name")
+    get_runner().delete(name)
+    return {"deleted": name}
 
 
 @route("GET", "/openapi.json")
@@ -352,8 +430,15 @@ def parse_args(argv):
 
 
 def main(argv=None):
-    """Start the server; SIGTERM or Ctrl-C stop it and every worker."""
+    """Start the server (or, with `run` first, run a notebook; with `install-kernelspec`,
+    install the Jupyter kernel); SIGTERM or Ctrl-C stop it."""
     global _settings
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["run"]:
+        sys.exit(run_command(argv[1:]))
+    if argv[:1] == ["install-kernelspec"]:
+        from kernel.jupyter.kernelspec import main as install_kernelspec
+        return install_kernelspec(argv[1:])
     args = parse_args(argv)
     # Workers inherit the environment: cells must not find the token there.
     os.environ.pop("SNAPSHOT_KERNEL_TOKEN", None)
@@ -381,7 +466,313 @@ def main(argv=None):
         get_kernel()
     except StoreError as exc:
         sys.exit(f"error: {exc}")
+    scheme = "https" if _settings["server.certfile"] else "http"
+    note_holder(app.config["server_lock"], f"a server at {scheme}://{args.bind} "
+                                           f"(pid {os.getpid()})")
+    threading.Thread(target=get_runner().environment.digest, daemon=True).start()
     serve(host.strip("[]"), int(port), _settings)
+
+
+# The `run` command ------------------------------------------------------------------
+
+def parse_run_args(argv):
+    """The command line of `main.py run`; argparse exits with status 2 on bad arguments."""
+    p = argparse.ArgumentParser(
+        prog="main.py run",
+        description="Run a notebook (.ipynb) on the state store without a server: only the "
+                    "cells whose result could have changed run, the others are reused from "
+                    "the store. Writes the executed notebook. Exit status 0 when every cell "
+                    "ran or was reused, 1 when a cell failed or could not run, 2 on bad input.")
+    p.add_argument("notebook", help="the .ipynb file to run")
+    p.add_argument("-o", "--output", help="where to write the executed notebook "
+                                          "(default: the notebook file itself)")
+    p.add_argument("--order", choices=("notebook", "dataflow"), default="notebook",
+                   help="notebook: top to bottom, as Jupyter; dataflow: each cell after the "
+                        "cells defining what it reads (default %(default)s)")
+    p.add_argument("--rerun", nargs="+", action="extend", default=[], metavar="ID",
+                   help="run these cells (by cell id) and everything downstream of them, "
+                        "even if nothing changed")
+    p.add_argument("--data-dir", help="folder of the state store (default: config.toml)")
+    p.add_argument("--config", help="a TOML file overriding config.toml")
+    p.add_argument("--server", metavar="URL",
+                   help="run through the server at URL instead (for a store a server holds)")
+    p.add_argument("--token", default=os.environ.get("SNAPSHOT_KERNEL_TOKEN"),
+                   help="with --server: its token (or SNAPSHOT_KERNEL_TOKEN)")
+    p.add_argument("--verbose", action="store_true", help="log the kernel to stderr")
+    fresh_group = p.add_argument_group(
+        "fresh runs", "--fresh: every cell from scratch in a new interpreter, within limits, "
+                      "without the store; the executed notebook is written only if every cell "
+                      "passed, and a receipt says what ran where")
+    fresh_group.add_argument("--fresh", action="store_true", help="run fresh")
+    fresh_group.add_argument("--receipt", help="where to write the run's receipt (JSON)")
+    fresh_group.add_argument("--timeout", type=float, help="whole-run deadline in seconds")
+    fresh_group.add_argument("--cell-timeout", type=float,
+                             help="longest run of one cell in seconds (0: none)")
+    fresh_group.add_argument("--cwd", help="working directory of the cells "
+                                           "(default: the notebook's)")
+    fresh_group.add_argument("--env", action="extend", nargs="+", default=[], metavar="NAME",
+                             help="pass this variable from the environment (must be set)")
+    fresh_group.add_argument("--lock", help="a lock file whose hash and path the receipt "
+                                            "records")
+    fresh_group.add_argument("--expected-environment", metavar="SHA256",
+                             help="refuse to run unless the kernel's environment has this "
+                                  "hash")
+    fresh_group.add_argument("--overwrite", action="store_true",
+                             help="replace an existing output")
+    fresh_group.add_argument("--keep-states", metavar="DIR",
+                             help="keep the run's states in this new store folder")
+    args = p.parse_args(argv)
+    fresh_only = ("receipt", "timeout", "cell_timeout", "cwd", "env", "lock",
+                  "expected_environment", "overwrite", "keep_states")
+    store_only = ("rerun", "data_dir", "server")
+    given = [name for name in (fresh_only if not args.fresh else store_only)
+             if getattr(args, name) not in (None, [], False)]
+    if args.fresh and args.order != "notebook":
+        given.append("order")
+    if given:
+        flags = ", ".join("--" + name.replace("_", "-") for name in given)
+        p.error(f"{flags}: only with --fresh" if not args.fresh
+                else f"{flags}: not with --fresh (a fresh run uses no store)")
+    return args
+
+
+class RunRefused(Exception):
+    """`main.py run` cannot go on: bad input, the store is held (exit status 2)."""
+
+
+def run_command(argv):
+    """`main.py run NB.ipynb ...`: returns the exit status."""
+    from kernel.notebook import ipynb
+    args = parse_run_args(argv)
+    if args.fresh:
+        return _run_fresh(args)
+    try:
+        notebook = ipynb.read(args.notebook)
+        cells = ipynb.code_cells(notebook)
+        name = os.path.abspath(args.notebook)
+        progress = Progress(len(cells))
+        if args.server:
+            record = _run_through_server(args, name, cells, progress)
+        else:
+            record = _run_here(args, name, cells, progress)
+        progress.done(record)
+        executed = ipynb.executed(notebook, record)
+        ipynb.write(executed, args.output or args.notebook)
+    except (RunRefused, ipynb.NotebookFileError) as exc:
+        print(f"main.py run: error: {exc}", file=sys.stderr)
+        return 2
+    except OSError as exc:
+        print(f"main.py run: error: cannot write the notebook: {exc}", file=sys.stderr)
+        return 1
+    print(f"wrote {args.output or args.notebook}", file=sys.stderr)
+    return 0 if all(c["status"] in ("ran", "reused") for c in record["cells"]) else 1
+
+
+def _run_fresh(args):
+    """`main.py run --fresh`: the run without a server or store; the exit status."""
+    try:
+        settings = config_mod.load(args.config)
+    except config_mod.ConfigError as exc:
+        print(f"main.py run: error: {exc}", file=sys.stderr)
+        return 2
+
+    def progress(cell):
+        """One line per code cell as it ends."""
+        took = f" {cell.seconds:.2f} s" if cell.status in ("ran", "failed") else ""
+        print(f"cell {cell.index} ({cell.id}): {cell.status}{took}", file=sys.stderr,
+              flush=True)
+
+    try:
+        status, receipt = fresh_file.run_file(
+            args.notebook, args.output, args.receipt, settings, timeout=args.timeout,
+            cell_timeout=args.cell_timeout, cwd=args.cwd, variables=args.env,
+            lock=args.lock, expected_environment=args.expected_environment,
+            overwrite=args.overwrite, keep_states=args.keep_states, adopt_orphans=True,
+            on_cell=progress)
+    except fresh.Refused as exc:
+        print(f"main.py run: error: {exc}", file=sys.stderr)
+        return 2
+    except OSError as exc:
+        print(f"main.py run: error: cannot write the receipt {args.receipt}: {exc.strerror}",
+              file=sys.stderr)
+        return 2
+    counts = receipt["counts"]
+    print(f"{'passed' if receipt['success'] else 'FAILED ' + receipt['category']}: "
+          f"{counts['completed']} cell(s) ran, {counts['failed']} failed, {counts['skipped']} "
+          f"skipped, in {receipt['seconds']:.2f} s. {receipt['message']}", file=sys.stderr)
+    return status
+
+
+def _run_here(args, name, cells, progress):
+    """Run the notebook with a kernel in this process, on the store (which must be free)."""
+    overrides = {"server.data_dir": os.path.abspath(args.data_dir)} if args.data_dir else {}
+    try:
+        settings = config_mod.load(args.config, overrides)
+    except config_mod.ConfigError as exc:
+        raise RunRefused(str(exc)) from None
+    data_dir = settings["server.data_dir"]
+    try:
+        os.makedirs(data_dir, exist_ok=True)
+        lock = try_server_lock(data_dir)
+    except OSError as exc:
+        raise RunRefused(f"cannot use the store at {data_dir}: {exc}") from None
+    if lock is None:
+        raise RunRefused(
+            f"{lock_holder(data_dir) or 'another process'} is using the store at {data_dir}. "
+            f"Run through it with --server URL (its token in --token or "
+            f"SNAPSHOT_KERNEL_TOKEN), or stop it first")
+    _setup_logging(settings["server.log_file"], args.verbose)
+    box = {}
+    try:
+        note_holder(lock, f"`main.py run {args.notebook}` (pid {os.getpid()})")
+        try:
+            kernel = Registry(settings)
+        except StoreError as exc:
+            raise RunRefused(str(exc)) from None
+        try:
+            runner = Runner(kernel)
+            exec_id = f"run-{os.getpid()}"
+
+            def work():
+                """The run, in a thread: Ctrl-C in the main thread interrupts it."""
+                try:
+                    box["record"] = runner.run(name, cells, args.order, args.rerun, exec_id,
+                                               progress.cell)
+                except BaseException as exc:  # handed to the main thread
+                    box["error"] = exc
+
+            _wait_interruptible(threading.Thread(target=work, daemon=True),
+                                lambda: runner.interrupt(exec_id), progress)
+        finally:
+            kernel.close()
+    finally:
+        lock.close()
+    if "error" in box:
+        if isinstance(box["error"], InvalidRequest):
+            raise RunRefused(str(box["error"]))
+        raise box["error"]
+    return box["record"]
+
+
+def _wait_interruptible(thread, interrupt, progress):
+    """Start `thread` and wait for it; Ctrl-C interrupts the run, a second one too."""
+    thread.start()
+    while thread.is_alive():
+        try:
+            thread.join(0.2)
+        except KeyboardInterrupt:
+            progress.note("interrupting the run (the running cell gets KeyboardInterrupt)")
+            interrupt()
+
+
+def _run_through_server(args, name, cells, progress):
+    """Run the notebook through a server's POST /notebooks/run, polling its record."""
+    import urllib.error
+    import urllib.request
+    base = args.server.rstrip("/")
+    exec_id = f"run-{os.getpid()}-{os.urandom(4).hex()}"
+
+    def call(method, path, payload=None):
+        """One request to the server; its JSON answer."""
+        data = None if payload is None else json.dumps(payload).encode()
+        request = urllib.request.Request(base + path, data=data, method=method, headers={
+            "Content-Type": "application/json",
+            **({"Authorization": f"Bearer {args.token}"} if args.token else {})})
+        try:
+            with urllib.request.urlopen(request, timeout=None) as answer:
+                return json.loads(answer.read())
+        except urllib.error.HTTPError as exc:
+            try:
+                message = json.loads(exc.read())["error"]["message"]
+            except (ValueError, KeyError, TypeError):
+                message = exc.reason
+            raise RunRefused(f"the server answered {exc.code}: {message}") from None
+        except (urllib.error.URLError, OSError) as exc:
+            raise RunRefused(f"cannot reach the server at {base}: "
+                             f"{getattr(exc, 'reason', exc)}") from None
+
+    box = {}
+
+    def work():
+        """The run's request, in a thread."""
+        try:
+            box["record"] = call("POST", "/notebooks/run", {
+                "notebook": name, "cells": cells, "order": args.order, "rerun": args.rerun,
+                "exec_id": exec_id})
+        except BaseException as exc:
+            box["error"] = exc
+
+    thread = threading.Thread(target=work, daemon=True)
+    thread.start()
+    path = "/notebooks/" + urllib.parse.quote(name, safe="")
+    reported = {}
+    while thread.is_alive():
+        try:
+            thread.join(0.25)
+            if thread.is_alive():
+                try:
+                    record = call("GET", path)
+                except RunRefused:
+                    continue  # not started yet
+                for cell in record["cells"] if record.get("exec_id") == exec_id else ():
+                    if reported.get(cell["id"]) != cell["status"]:
+                        reported[cell["id"]] = cell["status"]
+                        progress.cell(cell)
+        except KeyboardInterrupt:
+            progress.note("interrupting the run (the running cell gets KeyboardInterrupt)")
+            call("POST", "/interrupt", {"exec_id": exec_id})
+    if "error" in box:
+        raise box["error"]
+    for cell in box["record"]["cells"]:  # what the polls missed
+        if reported.get(cell["id"]) != cell["status"]:
+            progress.cell(cell)
+    return box["record"]
+
+
+class Progress:
+    """Progress on stderr: a bar on a terminal, a line per finished cell otherwise."""
+
+    def __init__(self, total):
+        """For a notebook of `total` code cells."""
+        self.total = total
+        self.finished = 0
+        self.tty = sys.stderr.isatty()
+        self.started = time.monotonic()
+
+    def cell(self, cell):
+        """A cell's status changed."""
+        if cell["status"] in ("pending",):
+            return
+        line = f"{cell['id']}: {cell['status']}"
+        if cell["status"] == "ran" or cell["status"] == "failed":
+            line += f" in {cell['took_s']:.2f} s"
+        if cell["status"] in ("failed", "blocked") and cell.get("error"):
+            line += f" ({cell['error']['ename']}: {cell['error']['evalue'][:80]})"
+        if cell["status"] != "running":
+            self.finished += 1
+        if self.tty:
+            width = 30
+            filled = width * self.finished // max(self.total, 1)
+            bar = "#" * filled + "-" * (width - filled)
+            sys.stderr.write(f"\r\x1b[K[{bar}] {self.finished}/{self.total} {line[:60]}")
+            sys.stderr.flush()
+        elif cell["status"] != "running":
+            print(line, file=sys.stderr, flush=True)
+
+    def note(self, text):
+        """A message between progress lines."""
+        print(("\n" if self.tty else "") + text, file=sys.stderr, flush=True)
+
+    def done(self, record):
+        """The summary line."""
+        counts = {}
+        for cell in record["cells"]:
+            counts[cell["status"]] = counts.get(cell["status"], 0) + 1
+        text = ", ".join(f"{n} {status}" for status, n in counts.items())
+        for d in record["diagnostics"]:
+            print(("\n" if self.tty else "") + d["message"], file=sys.stderr)
+        print(("\n" if self.tty else "") + f"{self.total} code cells: {text or 'none'} "
+              f"({time.monotonic() - self.started:.2f} s)", file=sys.stderr, flush=True)
 
 
 def _setup_logging(log_file, verbose):

@@ -5,8 +5,8 @@ storage.store); the HTTP layer answers each with its status and the JSON
 error `{"error": {"type", "message"}}`.
 """
 
-from kernel.errors import (Conflict, InvalidRequest, KernelError, RequestFailed,
-                           StateNotFound)
+from kernel.errors import (Conflict, InvalidRequest, KernelError, NotebookNotFound,
+                           RequestFailed, StateNotFound)
 from storage.remote import NameConflict, RemoteUnavailable
 from storage.store import StoreCorrupt, StoreError, StoreFull
 
@@ -25,6 +25,7 @@ _STATUSES = (
     (PayloadTooLarge, 413, "PayloadTooLarge"),
     (InvalidRequest, 400, None),
     (StateNotFound, 404, None),
+    (NotebookNotFound, 404, None),
     (Conflict, 409, None),
     (RequestFailed, 500, None),
     (KernelError, 500, None),

@@ -80,6 +80,59 @@ _GROUPS = {
 }
 
 
+_NOTEBOOK_CELL = {
+    "type": "object", "required": ["id", "key", "status", "took_s", "outputs", "error",
+                                   "execution_count", "state_name"],
+    "properties": {
+        "id": {"type": "string"},
+        "key": {"type": "string", "nullable": True,
+                "description": "SHA-256 the cell's result is stored under; null when the "
+                               "cell cannot run"},
+        "status": {"type": "string", "enum": ["ran", "reused", "failed", "blocked", "not_run",
+                                              "pending", "running", "skipped", "empty"],
+                   "description": "pending and running only while the run goes on; "
+                                  "skipped and empty only in fresh runs"},
+        "took_s": {"type": "number", "nullable": True},
+        "outputs": {"type": "array", "items": _OUTPUT},
+        "error": _CELL_ERROR,
+        "execution_count": {"type": "integer", "nullable": True},
+        "state_name": {"type": "string", "nullable": True,
+                       "description": "The state the cell left, for /execute and the others"},
+    },
+}
+
+_NOTEBOOK_RECORD = {
+    "type": "object",
+    "required": ["notebook", "order", "diagnostics", "cells", "state_name"],
+    "properties": {
+        "notebook": {"type": "string"},
+        "order": dict(_NAMES, description="Cell ids in the order the run took them"),
+        "diagnostics": {"type": "array", "items": {
+            "type": "object", "required": ["kind", "cells", "names", "message"],
+            "properties": {
+                "kind": {"type": "string", "enum": ["syntax_error", "cycle",
+                                                    "double_definition",
+                                                    "foreign_assignment"]},
+                "cells": _NAMES, "names": _NAMES, "message": {"type": "string"},
+                "line": {"type": "integer", "nullable": True},
+                "column": {"type": "integer", "nullable": True}}}},
+        "cells": {"type": "array", "items": _NOTEBOOK_CELL},
+        "state_name": {"type": "string", "nullable": True,
+                       "description": "A state with every name as the run left it"},
+        "order_kind": {"type": "string", "enum": ["notebook", "dataflow"]},
+        "exec_id": {"type": "string"},
+        "running": {"type": "boolean"},
+        "started": {"type": "string"},
+        "finished": {"type": "string", "nullable": True},
+        "receipt": {"type": "object", "description": "A fresh run's receipt (its JSON "
+                                                     "Schema is in the README)"},
+    },
+}
+
+_NOTEBOOK_NAME = [{"name": "name", "in": "path", "required": True, "schema": _STATE_NAME,
+                   "description": "The notebook's name, percent-encoded"}]
+
+
 def _body(properties, required):
     """A required JSON request body with these properties."""
     return {"required": True, "content": {"application/json": {"schema": {
@@ -183,17 +236,77 @@ def document(version="0.3.0"):
                                                       state_name={"type": "string"})),
                                  "The new state", body_errors + (404, 409, 500, 503, 507))}},
         "/reset": {"post": {
-            "summary": "Drop every state; an empty `initial` remains (no body needed; "
-                       "409 with a shared remote store)",
+            "summary": "Drop every state, stored result and notebook record; an empty "
+                       "`initial` remains (no body needed; 409 with a shared remote store)",
             "responses": _answer({"type": "object", "required": ["status"],
                                   "properties": {"status": {"type": "string"}}}, "Done",
                                  (400, 401, 409, 507))}},
         "/interrupt": {"post": {
-            "summary": "SIGINT the execution `exec_id`, SIGKILL after interrupt_grace_s",
+            "summary": "SIGINT the execution `exec_id` (or the running cell of the notebook "
+                       "run `exec_id`, which then stops), SIGKILL after interrupt_grace_s",
             "requestBody": _body({"exec_id": _EXEC_ID}, ["exec_id"]),
             "responses": _answer({"type": "object", "required": ["interrupted"],
                                   "properties": {"interrupted": {"type": "boolean"}}},
                                  "Whether such an execution was running", body_errors)}},
+        "/notebooks/run": {"post": {
+            "summary": "Bring every cell of a notebook up to date: run only the cells whose "
+                       "result could have changed, reuse the others' stored results; "
+                       "\"fresh\": true runs them all from scratch in a new interpreter, "
+                       "within limits, with a receipt",
+            "requestBody": _body({
+                "notebook": _STATE_NAME,
+                "cells": {"type": "array", "items": {
+                    "type": "object", "required": ["id", "source"],
+                    "properties": {"id": {"type": "string", "minLength": 1},
+                                   "source": {"type": "string"},
+                                   "tags": dict(_NAMES, description="fresh runs: no-execute "
+                                                "or skip-execution skips the cell")}}},
+                "order": {"type": "string", "enum": ["notebook", "dataflow"],
+                          "nullable": True},
+                "rerun": dict(_NAMES, nullable=True,
+                              description="Cell ids to run, with everything downstream, "
+                                          "even if nothing changed"),
+                "exec_id": dict(_EXEC_ID, nullable=True),
+                "fresh": {"type": "boolean", "nullable": True,
+                          "description": "Run every cell from scratch in a new interpreter, "
+                                         "within limits, keeping no state; the answer adds "
+                                         "the receipt. The options below are for fresh runs "
+                                         "only"},
+                "timeout": {"type": "number", "nullable": True,
+                            "description": "Whole-run deadline in seconds (fresh.timeout_s)"},
+                "cell_timeout": {"type": "number", "nullable": True,
+                                 "description": "Longest cell in seconds, 0 = none "
+                                                "(fresh.cell_timeout_s)"},
+                "env": dict(_NAMES, nullable=True,
+                            description="Variables of the server's environment passed to the "
+                                        "run (must be set; no secrets)"),
+                "cwd": {"type": "string", "nullable": True,
+                        "description": "Absolute working directory (default: a temporary "
+                                       "folder)"},
+                "expected_environment": {
+                    "type": "string", "nullable": True, "pattern": "^[0-9a-f]{64}$",
+                    "description": "Refuse to run unless the kernel's environment SHA-256 "
+                                   "is this"}},
+                ["notebook", "cells"]),
+            "responses": _answer(_NOTEBOOK_RECORD, "The run's record (a failed fresh run "
+                                                   "answers 200 too: see its receipt)",
+                                 body_errors + (409, 507))}},
+        "/notebooks": {"get": {
+            "summary": "Every notebook with a record",
+            "responses": _answer({"type": "object", "required": ["notebooks"],
+                                  "properties": {"notebooks": _NAMES}}, "The names")}},
+        "/notebooks/{name}": {
+            "get": {
+                "summary": "A notebook's last run (or the one in progress), cell by cell",
+                "parameters": _NOTEBOOK_NAME,
+                "responses": _answer(_NOTEBOOK_RECORD, "The record", (400, 401, 404))},
+            "delete": {
+                "summary": "Forget a notebook's record (409 while it runs); stored results "
+                           "stay",
+                "parameters": _NOTEBOOK_NAME,
+                "responses": _answer({"type": "object", "required": ["deleted"],
+                                      "properties": {"deleted": {"type": "string"}}},
+                                     "Deleted", (400, 401, 404, 409))}},
         "/health": {"get": {
             "summary": "Liveness; the only route without the token",
             "security": [],
@@ -207,7 +320,7 @@ def document(version="0.3.0"):
     responses = {f"E{status}": {"description": text, "content": {"application/json": {
         "schema": {"$ref": "#/components/schemas/Error"}}}}
         for status, text in {400: "Bad input", 401: "No or wrong token",
-                             404: "Unknown state", 409: "Conflict",
+                             404: "Unknown state or notebook", 409: "Conflict",
                              413: "Body larger than max_body_mb",
                              500: "StoreCorrupt: a stored value needed is damaged on disk",
                              503: "Store unavailable",

@@ -31,6 +31,12 @@ class StateNotFound(KernelError):
     etype = "StateNotFound"
 
 
+class NotebookNotFound(KernelError):
+    """No notebook has that name."""
+
+    etype = "NotebookNotFound"
+
+
 class Conflict(KernelError):
     """The request collides with the kernel's state (an exec_id in use, deleting `initial`)."""
 

@@ -25,81 +25,19 @@ every round survived. The suite runs a 5-round version (tests/test_faults.py).
 
 import argparse
 import http.client
-import json
 import os
 import random
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
 import threading
 import time
-import urllib.error
-import urllib.request
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-TOKEN = "faults-token"
+from harness import ROOT, Server, alive
+
 SIZES = (10, 1000, 200_000)  # floats per state: a few bytes to 1.6 MB (a slower write)
-
-
-def free_port():
-    """A TCP port nobody listens on right now."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class Server:
-    """A server subprocess on a free port, and a tiny JSON client."""
-
-    def __init__(self, data_dir, log):
-        """Start `python main.py` over `data_dir` and wait until it answers."""
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.proc = subprocess.Popen(
-            [sys.executable, "main.py", "--bind", f"127.0.0.1:{self.port}", "--token", TOKEN,
-             "--data-dir", data_dir], cwd=ROOT, stdout=log, stderr=log,
-            stdin=subprocess.DEVNULL)
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"the server exited with {self.proc.returncode}")
-            try:
-                self.call("GET", "/health", timeout=1)
-                return
-            except OSError:
-                time.sleep(0.05)
-        raise RuntimeError("the server did not come up")
-
-    def call(self, method, path, body=None, timeout=60):
-        """One request; the decoded JSON answer (raises on HTTP errors)."""
-        data = None if body is None else json.dumps(body).encode()
-        req = urllib.request.Request(f"{self.url}{path}?token={TOKEN}", data=data,
-                                     method=method,
-                                     headers={"Content-Type": "application/json"})
-        with urllib.request.urlopen(req, timeout=timeout) as r:
-            return json.loads(r.read())
-
-    def workers(self):
-        """Pids of every process below the server (from /proc)."""
-        children = {}
-        for entry in os.listdir("/proc"):
-            if entry.isdigit():
-                try:
-                    with open(f"/proc/{entry}/stat") as f:
-                        stat = f.read()
-                except OSError:
-                    continue
-                ppid = int(stat[stat.rfind(")") + 2:].split()[1])
-                children.setdefault(ppid, []).append(int(entry))
-        found, todo = [], [self.proc.pid]
-        while todo:
-            for child in children.get(todo.pop(), []):
-                found.append(child)
-                todo.append(child)
-        return found
 
 
 def cell(i, size):
@@ -134,16 +72,6 @@ def stream(server, prefix, rng, answered, asked, stop):
             return
         answered[name] = asked[name]
         state, i = name, i + 1
-
-
-def alive(pid):
-    """True if `pid` exists and is not a zombie."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            stat = f.read()
-    except OSError:
-        return False
-    return stat[stat.rfind(")") + 2] != "Z"
 
 
 def check_round(server, rnd, answered_all, asked_all, this_round, rng):
@@ -201,10 +129,10 @@ def main(argv=None):
     own_work = args.work_dir is None
     os.makedirs(work, exist_ok=True)
     data_dir = os.path.join(work, "store")
-    log = open(os.path.join(work, "server.log"), "ab")
+    log = os.path.join(work, "server.log")
     answered_all, asked_all, survived = {}, {}, 0
     start = time.monotonic()
-    server = Server(data_dir, log)
+    server = Server(data_dir, log_path=log)
     for rnd in range(1, args.rounds + 1):
         answered, asked, stop = {}, {}, threading.Event()
         threads = [threading.Thread(target=stream, args=(
@@ -220,8 +148,7 @@ def main(argv=None):
         delay = rng.uniform(0, args.max_delay)
         time.sleep(delay)
         workers = server.workers()
-        server.proc.send_signal(signal.SIGKILL)
-        server.proc.wait()
+        server.stop(signal.SIGKILL)
         stop.set()
         for t in threads:
             t.join(60)
@@ -238,7 +165,7 @@ def main(argv=None):
         if not ok:
             problems.append("check_store.py failed:\n" + out)
         try:
-            server = Server(data_dir, log)
+            server = Server(data_dir, log_path=log)
             problems += check_round(server, rnd, answered_all, asked_all, asked, rng)
         except (OSError, RuntimeError, ValueError) as exc:
             problems.append(f"restart failed: {exc}")
@@ -253,9 +180,7 @@ def main(argv=None):
                 pass
         if server.proc.poll() is not None:
             break
-    server.proc.send_signal(signal.SIGTERM)
-    server.proc.wait(30)
-    log.close()
+    server.stop()
     print(f"survived {survived}/{args.rounds} rounds; {len(answered_all)} answered "
           f"executions, {len(asked_all)} asked, in {time.monotonic() - start:.0f} s")
     if own_work and survived == args.rounds:

@@ -20,6 +20,12 @@ How the rules combine:
 * With no rule at all, no state is deleted: only blobs no manifest
   references (left behind by DELETE /states/NAME, rebound names and
   interrupted writes) are removed.
+* Notebook runs: a state that a notebook record (its cells' and final
+  states) or a stored cell result needs is never deleted by these rules.
+  --notebooks-older-than AGE deletes the records of notebooks last run
+  more than AGE ago, then every stored result that no remaining record
+  uses and that was stored more than AGE ago, with its state. Results
+  whose state is gone (DELETE /states/NAME) are forgotten.
 
 Manifests go first, then the unreferenced blobs, each in one transaction,
 so an interruption leaves at worst blobs that the next run removes. LMDB
@@ -38,7 +44,9 @@ in PREFIX/gc/unreferenced.json), AND the remote last wrote it more than
 --grace ago. A server may be uploading a new state's blobs before its name
 record, or reusing blobs of a state it saw bound a moment ago, or an old
 blob (which it renews first): storage/cache.py. Each blob's time is read
-once more just before it is deleted.
+once more just before it is deleted. States that the notebook records of
+the local store (--data-dir, or server.data_dir) need are kept; each server
+keeps its own records, so --notebooks-older-than does not apply to --remote.
 """
 
 import os
@@ -58,6 +66,7 @@ import shutil  # noqa: E402
 import lmdb  # noqa: E402
 
 from kernel import config as config_mod  # noqa: E402
+from storage.notebooks import NotebookStore  # noqa: E402
 from storage.remote import NameConflict, RemoteStore  # noqa: E402
 from storage.store import Store, StoreError, try_server_lock  # noqa: E402
 
@@ -103,7 +112,8 @@ def parse_args(argv):
         description="Delete snapshot-kernel states by rule, then every blob no remaining "
                     "state references. A state is deleted when it matches every selection "
                     "rule given (--older-than, --match, --unreachable); --keep-last protects "
-                    "the newest states. 'initial' is never deleted. With no rule, only "
+                    "the newest states. 'initial' is never deleted, nor a state a notebook "
+                    "record or stored cell result needs. With no rule, only "
                     "unreferenced blobs are deleted. Refuses (exit 2) while a server runs "
                     "on the store.",
         epilog="Examples: --unreachable --older-than 1d; --match 'scratch-*' --keep-last 5; "
@@ -123,6 +133,10 @@ def parse_args(argv):
                         "descends, following parent_id links: intermediate results nothing "
                         "named leads back to. Named states and the auto-named ancestors "
                         "of a named state are kept")
+    p.add_argument("--notebooks-older-than", type=parse_age, metavar="AGE",
+                   help="delete the records of notebooks last run more than AGE ago, then "
+                        "the stored cell results no remaining record uses that are older "
+                        "than AGE, with their states")
     p.add_argument("--keep-last", type=parse_count, metavar="N",
                    help="never delete the N newest states in scope (those --match selects, "
                         "or all states); alone, delete all but the newest N")
@@ -142,6 +156,9 @@ def parse_args(argv):
         p.error("--compact shrinks a local LMDB file; it does not apply to --remote")
     if args.grace is not None and not args.remote:
         p.error("--grace applies to --remote only")
+    if args.remote and args.notebooks_older_than is not None:
+        p.error("--notebooks-older-than applies to a server's own store (notebook records "
+                "are not on the remote); run it without --remote on that store")
     return args
 
 
@@ -307,17 +324,72 @@ def run(args, out=print):
         lock.close()
 
 
+def notebook_plan(notebooks, manifests, older_than, now):
+    """What the notebook rules delete, and which states notebooks still need.
+
+    Returns (records to delete, results to delete, states only those results
+    held, states that must be kept).
+    """
+    records, results = notebooks.records(), notebooks.all_results()
+    cutoff = None
+    if older_than is not None:
+        try:
+            cutoff = now - older_than
+        except OverflowError:
+            cutoff = datetime.datetime.min.replace(tzinfo=datetime.timezone.utc)
+
+    def old(text):
+        """True for a time before the cutoff (an unreadable time is never old)."""
+        when = created_at({"created": text})
+        return cutoff is not None and when is not None and when < cutoff
+
+    doomed_records = sorted(n for n, r in records.items()
+                            if old(r.get("finished") or r.get("started")))
+    used_keys, used_states = set(), set()
+    for name, record in records.items():
+        if name in doomed_records:
+            continue
+        used_states.add(record.get("state_name"))
+        for cell in record.get("cells", []):
+            used_keys.add(cell.get("key"))
+            used_states.add(cell.get("state_name"))
+    doomed_results = sorted(
+        k for k, r in results.items()
+        if r.get("state") not in manifests
+        or (k not in used_keys and r.get("state") not in used_states and old(r.get("created"))))
+    kept_results = {k: r for k, r in results.items() if k not in set(doomed_results)}
+    needed = (used_states | {r["state"] for r in kept_results.values()}) - {None}
+    freed = sorted(({results[k]["state"] for k in doomed_results} - needed)
+                   & (set(manifests) - {INITIAL}))
+    return doomed_records, doomed_results, freed, needed
+
+
 def _collect(store, data_dir, args, out):
     """Delete (or, dry, count) states and blobs, then compact; print the result."""
     verb = "would delete" if args.dry_run else "deleted"
     manifests = store.manifests()
+    now = datetime.datetime.now(datetime.timezone.utc)
+    notebooks = NotebookStore(store)
+    doomed_records, doomed_results, freed, needed = notebook_plan(
+        notebooks, manifests, args.notebooks_older_than, now)
     rules = (args.older_than is not None or args.match or args.unreachable
              or args.keep_last is not None)
     if rules:
-        doomed = select(manifests, args, datetime.datetime.now(datetime.timezone.utc))
-    else:
+        doomed = select(manifests, args, now)
+        spared = [n for n in doomed if n in needed]
+        doomed = [n for n in doomed if n not in needed]
+        if spared:
+            out(f"kept {len(spared)} state(s) the rules select that notebook records or "
+                f"stored results need")
+    elif args.notebooks_older_than is None:
         doomed = []
         out("no selection rule given: no state is deleted, only blobs no state references")
+    else:
+        doomed = []
+    if args.notebooks_older_than is not None or doomed_results:
+        out(f"{verb} {len(doomed_records)} notebook record(s) and {len(doomed_results)} "
+            f"stored result(s)")
+    doomed += [n for n in freed if n not in set(doomed)]
     kept = {n: m for n, m in manifests.items() if n not in set(doomed)}
     referenced = set()
     for manifest in kept.values():
@@ -329,7 +401,11 @@ def _collect(store, data_dir, args, out):
     if args.dry_run:
         freed = sum(stored_sizes(store, orphans).values())
     else:
-        # Manifests first: a crash in between leaves only unreferenced blobs.
+        # Records and results first, then manifests: a crash in between leaves only
+        # states and blobs nothing needs, which the next run removes.
+        if doomed_records or doomed_results:
+            notebooks.delete_records(doomed_records)
+            notebooks.delete_results(doomed_results)
         store.delete_states(doomed)
         freed = store.delete_blobs(orphans)
         # Without this, a full store would stay full for the next state.
@@ -373,6 +449,12 @@ def run_remote(args, settings, out):
              or args.keep_last is not None)
     now = datetime.datetime.now(datetime.timezone.utc)
     doomed = select(manifests, args, now) if rules else []
+    needed = local_notebook_needs(args, settings, manifests, now)
+    spared = [n for n in doomed if n in needed]
+    if spared:
+        doomed = [n for n in doomed if n not in needed]
+        out(f"kept {len(spared)} state(s) the rules select that notebook records or "
+            f"stored results of the local store need")
     if not rules:
         out("no selection rule given: no state is deleted, only blobs no state references")
     out(f"{verb} {len(doomed)} state(s) of {len(manifests)}" + (":" if doomed else ""))
@@ -413,6 +495,24 @@ def run_remote(args, settings, out):
     out(f"{len(manifests) - len(doomed)} state(s) and {len(referenced)} blob(s) remain "
         f"on {remote.url}")
     return 0
+
+
+def local_notebook_needs(args, settings, manifests, now):
+    """The remote states that the notebook records and stored results of this machine's
+    store (--data-dir, or server.data_dir) need; none if there is no store there.
+
+    Each server keeps its notebook records in its own store, so a state that only
+    another machine's notebooks need is not protected: run gc there with --data-dir.
+    """
+    data_dir = os.path.abspath(args.data_dir or settings["server.data_dir"])
+    if not os.path.isfile(os.path.join(data_dir, DATA_FILE)):
+        return set()
+    # Read-only: a server may be running on it.
+    store = Store(data_dir, max_store_gb=settings["store.max_store_gb"], readonly=True)
+    try:
+        return notebook_plan(NotebookStore(store), manifests, None, now)[3]
+    finally:
+        store.env.close()
 
 
 def main(argv=None):

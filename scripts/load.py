@@ -25,21 +25,19 @@ Exit status 0 when every check passed.
 """
 
 import argparse
+import http.client
 import json
 import math
 import os
-import platform
 import random
 import re
-import signal
-import subprocess
+import shutil
 import sys
 import tempfile
 import threading
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from faults import ROOT, Server, alive  # noqa: E402
+from harness import ROOT, Server, alive, machine, revision
 
 sys.path.insert(0, ROOT)
 from kernel import config  # noqa: E402
@@ -175,9 +173,13 @@ def verify(server, clients):
             if name not in listed:
                 problems.append(f"{name}: lost")
                 continue
-            answer = server.call("POST", "/multistate_execute", {
-                "code": "val", "exec_id": f"verify-{name}", "state_mapping": {},
-                "default_state": name})
+            try:
+                answer = server.call("POST", "/multistate_execute", {
+                    "code": "val", "exec_id": f"verify-{name}", "state_mapping": {},
+                    "default_state": name})
+            except (OSError, ValueError, http.client.HTTPException) as exc:
+                problems.append(f"{name}: no answer: {type(exc).__name__}: {exc}")
+                continue
             got = answer["output"][-1]["data"]["text/plain"] if answer["output"] else None
             if answer["error"] is not None or got != value:
                 problems.append(f"{name}: holds {got} ({answer['error']}), expected {value}")
@@ -199,29 +201,6 @@ def write_section(path, text):
         f.write(new)
 
 
-def machine():
-    """A one-line description of this machine."""
-    model = ""
-    try:
-        with open("/proc/cpuinfo") as f:
-            model = next((line.split(":", 1)[1].strip() for line in f
-                          if line.startswith("model name")), "")
-    except OSError:
-        pass
-    mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2 ** 30
-    return (f"{os.cpu_count()} cores ({model or platform.machine()}), {mem:.0f} GiB RAM, "
-            f"Linux {platform.release()}, Python {platform.python_version()}")
-
-
-def commit():
-    """The short hash of the checked-out commit ("unknown" outside git)."""
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT,
-                              capture_output=True, text=True, check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
-
-
 def main(argv=None):
     """Run the load; exit status 0 if every check passed."""
     p = argparse.ArgumentParser(description="Concurrent clients against one server")
@@ -235,8 +214,7 @@ def main(argv=None):
     args = p.parse_args(argv)
     load_before = os.getloadavg()[0]
     work = tempfile.mkdtemp(prefix="snapk-load-")
-    log = open(os.path.join(work, "server.log"), "ab")
-    server = Server(os.path.join(work, "store"), log)
+    server = Server(os.path.join(work, "store"), log_path=os.path.join(work, "server.log"))
     rng = random.Random(args.seed)
     problems, alone = [], None
     try:
@@ -269,9 +247,7 @@ def main(argv=None):
                             f"with {spares} spare(s) each")
     finally:
         workers = server.workers()
-        server.proc.send_signal(signal.SIGTERM)
-        server.proc.wait(30)
-        log.close()
+        server.stop()
     time.sleep(1)
     leaked = [w for w in workers if alive(w)]
     if leaked:
@@ -306,7 +282,7 @@ def main(argv=None):
         write_section(args.write_benchmarks, f"""## Load
 
 `python scripts/load.py --clients {args.clients} --per-client {args.per_client}` on
-{machine()}; commit {commit()}, {time.strftime("%Y-%m-%d %H:%M", time.gmtime())} UTC;
+{machine()}; commit {revision()}, {time.strftime("%Y-%m-%d %H:%M", time.gmtime())} UTC;
 load average {load_before:.1f} when it started (the machine is shared with other jobs).
 
 {args.clients} concurrent clients, {args.per_client} operations each, against one server with
@@ -326,6 +302,10 @@ left after the run: within the two zygotes plus a holder and its spares per live
 after SIGTERM: none.
 
 """)
+    if problems:
+        print(f"server log and store kept in {work}", file=sys.stderr)
+    else:
+        shutil.rmtree(work, ignore_errors=True)
     return 0 if not problems else 1
 
 

@@ -29,10 +29,9 @@ import time  # noqa: E402
 import numpy as np  # noqa: E402
 import zstandard  # noqa: E402
 
+from kernel import config as config_mod  # noqa: E402
 from storage import snapshot  # noqa: E402
 from storage.store import Store  # noqa: E402
-
-SETTINGS = {}  # the defaults of config.toml's [store] chunking
 
 
 def unverified(store, key):
@@ -67,15 +66,16 @@ def best(runs, action):
     return min(times)
 
 
-def measure(directory, kind, size, runs):
+def measure(directory, kind, size, runs, settings):
     """Print the read and restore times of a `size`-byte state of `kind`."""
-    store = Store(os.path.join(directory, kind), max_store_gb=4 * size / 2 ** 30 + 1)
+    store = Store(os.path.join(directory, kind), max_store_gb=4 * size / 2 ** 30 + 1,
+                  zstd_level=settings["store.zstd_level"])
     rng = np.random.default_rng(0)
     value = (rng.random(size // 8) if kind == "floats"
              else rng.integers(0, 2 ** 62, size // 8))
     manifest = snapshot.new_manifest("s")
     snapshot.commit(store, manifest, snapshot.save_groups(store, manifest, {"v": value},
-                                                          ["v"], SETTINGS))
+                                                          ["v"], settings))
     del value
     keys = sorted(store.referenced(manifest))
 
@@ -101,13 +101,16 @@ def main(argv=None):
     p.add_argument("--gib", type=float, default=1.0, help="state size in GiB")
     p.add_argument("--runs", type=int, default=5, help="runs per figure (the best counts)")
     p.add_argument("--dir", help="folder for the temporary stores (default: system temp)")
+    p.add_argument("--config", help="a TOML file overriding config.toml (chunk size, "
+                                    "zstd level)")
     args = p.parse_args(argv)
+    settings = config_mod.load(args.config)
     print("| state | read, unverified (before) | read, verified | restore (load_group) | "
           "format 1 read, verified by SHA-256 | format 1 restore |")
     print("|---|---|---|---|---|---|")
     with tempfile.TemporaryDirectory(dir=args.dir) as directory:
         for kind in ("floats", "integers"):
-            measure(directory, kind, int(args.gib * 2 ** 30), args.runs)
+            measure(directory, kind, int(args.gib * 2 ** 30), args.runs, settings)
     return 0
 
 

@@ -81,7 +81,8 @@ class Store:
             if not readonly:
                 os.makedirs(path, exist_ok=True)
             check_data_file(path)
-            self.env = lmdb.open(path, map_size=int(max_store_gb * 2 ** 30), max_dbs=4,
+            # meta, blobs, states; notebooks (storage/notebooks.py); remote (storage/cache.py)
+            self.env = lmdb.open(path, map_size=int(max_store_gb * 2 ** 30), max_dbs=5,
                                  sync=sync, metasync=sync, readonly=readonly,
                                  readahead=False, create=not readonly, lock=True)
             self.meta = self.env.open_db(b"meta", create=not readonly)
@@ -114,6 +115,14 @@ class Store:
                 cls._per_process.pop(inherited).env.close()
             store = cls._per_process[key] = cls(path, **options)
         return store
+
+    @classmethod
+    def release(cls, path):
+        """Close the calling process's handle on the store at `path`, if it has one
+        (a process that opened a temporary store, e.g. for a fresh run, and is done)."""
+        store = cls._per_process.pop((os.getpid(), path), None)
+        if store is not None:
+            store.env.close()
 
     def _check_format(self):
         """Write the format record of a new store, upgrade a format 1 one; refuse

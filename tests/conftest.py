@@ -1,9 +1,12 @@
-"""Fixtures: a real server process on a free port over a temporary store."""
+"""Fixtures: a real server process on a free port over a temporary store.
+
+Starting and stopping the process is scripts/harness.py's `Server`, which the
+scripts share; this module adds an HTTP client made for assertions.
+"""
 
 import itertools
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -11,54 +14,16 @@ import time
 import pytest
 import requests
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-TOKEN = "test-token"
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                                "scripts"))
+import harness  # noqa: E402
+from harness import ROOT, TOKEN, free_port  # noqa: E402,F401 (the tests import them here)
+
 _ids = itertools.count()
 
 
-def free_port():
-    """A TCP port nobody listens on right now."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class Server:
+class Server(harness.Server):
     """A server subprocess and a small HTTP client for it."""
-
-    def __init__(self, data_dir, config=None, extra_args=(), token=TOKEN):
-        """Start `python main.py` on a free port over `data_dir` and wait for it."""
-        self.data_dir = str(data_dir)
-        self.token = token
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        args = [sys.executable, "main.py", "--bind", f"127.0.0.1:{self.port}",
-                "--data-dir", self.data_dir, *extra_args]
-        if token:
-            args += ["--token", token]
-        if config:
-            path = os.path.join(self.data_dir + "-config.toml")
-            with open(path, "w") as f:
-                f.write(config)
-            args += ["--config", path]
-        self.log = open(self.data_dir + "-server.log", "ab")
-        self.proc = subprocess.Popen(args, cwd=ROOT, stdout=self.log, stderr=self.log,
-                                     stdin=subprocess.DEVNULL)
-        self.wait_up()
-
-    def wait_up(self, timeout=30):
-        """Wait until /health answers."""
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited with {self.proc.returncode}: "
-                                   f"{open(self.data_dir + '-server.log').read()[-3000:]}")
-            try:
-                if requests.get(self.url + "/health", timeout=1).ok:
-                    return
-            except requests.ConnectionError:
-                time.sleep(0.05)
-        raise RuntimeError("server did not come up")
 
     def request(self, method, path, **kw):
         """An authenticated request."""
@@ -100,17 +65,6 @@ class Server:
         assert answer["error"] is None, answer["error"]
         results = [o for o in answer["output"] if o["output_type"] == "execute_result"]
         return results[-1]["data"]["text/plain"] if results else None
-
-    def stop(self, sig=signal.SIGTERM, timeout=30):
-        """Stop the server with `sig` and wait for it."""
-        if self.proc.poll() is None:
-            self.proc.send_signal(sig)
-            try:
-                self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        self.log.close()
 
 
 def run_script(script, data_dir, *args):

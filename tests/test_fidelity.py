@@ -16,7 +16,7 @@ import re
 import nbformat
 import pytest
 
-from cellrun import run_cells
+import cells
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 NOTEBOOKS = sorted(glob.glob(os.path.join(HERE, "notebooks", "*.ipynb")))
@@ -64,11 +64,10 @@ def normalize(outputs):
             # true order, see docs/fidelity.md): compare each stream's lines as a set.
             # Blank lines are left out: ipykernel's fd watcher now and then forwards a
             # stray newline of its own before a cell's first line.
-            text = normalize_text(_text(out["text"]))
+            # Consecutive stream outputs are one text, however a kernel cut it up.
             if not (items and items[-1][0] == "streams"):
                 items.append(("streams", {}))
-            items[-1][1].setdefault(out["name"], []).extend(
-                line for line in text.splitlines() if line)
+            items[-1][1][out["name"]] = items[-1][1].get(out["name"], "") + _text(out["text"])
             continue
         data = {}
         for mime, value in out["data"].items():
@@ -80,7 +79,8 @@ def normalize(outputs):
             else:
                 data[mime] = value
         items.append((kind, tuple(sorted(data.items(), key=lambda kv: kv[0]))))
-    items = [("streams", {k: sorted(v) for k, v in sorted(item[1].items())})
+    items = [("streams", {k: sorted(line for line in normalize_text(v).splitlines() if line)
+                          for k, v in sorted(item[1].items())})
              if item[0] == "streams" else item for item in items]
     return items, error
 
@@ -117,8 +117,9 @@ def compare_cell(index, source, expected, actual, actual_error):
     return None
 
 
-def run_in_jupyter(paths):
-    """Execute notebooks through ipykernel, a few at once; {path: [(source, outputs)]}."""
+def run_in_jupyter(paths, kernel_name="python3"):
+    """Execute notebooks through a kernel (ipykernel's by default), a few at once;
+    {path: [(source, outputs)]}."""
     import asyncio
 
     from nbclient import NotebookClient
@@ -127,7 +128,7 @@ def run_in_jupyter(paths):
         """Run one notebook when a slot is free."""
         async with gate:
             nb = nbformat.read(path, as_version=4)
-            client = NotebookClient(nb, timeout=120, kernel_name="python3", allow_errors=True,
+            client = NotebookClient(nb, timeout=120, kernel_name=kernel_name, allow_errors=True,
                                     resources={"metadata": {"path": HERE}})
             await client.async_execute()
             return path, [(c.source, c.outputs) for c in nb.cells if c.cell_type == "code"]
@@ -158,24 +159,9 @@ def compare_notebook(jupyter_cells, run):
     return diffs
 
 
-def run_forked(sources):
-    """Run cells through kernel.cell in a forked process (what the worker does)."""
-    return [(r["outputs"], r["error"]) for r in run_cells(sources, {"display.figure_format": "png"})]
-
-
 def run_on_server(server):
     """A runner that sends each cell to POST /execute, chaining states like a client."""
-    def run(sources):
-        state = "initial"
-        results = []
-        for i, source in enumerate(sources):
-            answer = server.post("/execute", {"code": source, "exec_id": f"fid-{os.getpid()}-{i}",
-                                              "state_name": state}).json()
-            results.append((answer["output"], answer["error"]))
-            if answer.get("state_name"):
-                state = answer["state_name"]
-        return results
-    return run
+    return lambda sources: [(a["output"], a["error"]) for a in cells.run(server, *sources)]
 
 
 @pytest.fixture(scope="module")

@@ -66,7 +66,7 @@ def test_fuzz_every_route_with_schemathesis(server):
     session = requests.Session()
     failures, calls = [], [0]
     operations = [result.ok() for result in schema.get_all_operations()]
-    assert len(operations) == 12
+    assert len(operations) == 16
     for operation in operations:
         for mode in (schemathesis.GenerationMode.POSITIVE, schemathesis.GenerationMode.NEGATIVE):
             strategy = operation.as_strategy(generation_mode=mode)

@@ -15,7 +15,7 @@ import pytest
 import zstandard
 
 from conftest import ROOT, run_script
-from storage.store import Store, decode_manifest
+from storage.store import Store
 
 # A 2.4 MB array of floats (stored zstd-compressed, in 1 MiB chunks) and one of
 # random 64-bit integers (incompressible: stored raw).

@@ -1,58 +1,57 @@
-"""Output capture (kernel/outputs.py): order, fd-level streams, display protocol, figures, limits.
+"""Output capture (kernel/worker/capture/): order, fd-level streams, display protocol,
+figures, limits, streaming.
 
-Every test runs real cells through kernel.cell in a forked process (see
-cellrun.py) and validates every output against nbformat's v4 schema.
+Cells go through the real server and its workers (tests/conftest.py); every
+output is validated against nbformat's v4 schema. The streaming hook is
+tested at the cell runner, in a process of its own.
 """
 
 import base64
+import contextlib
+import json
 import os
+import subprocess
+import sys
+import time
 
-os.environ.setdefault("MPLBACKEND", "Agg")
+import pytest
+import requests
 
-# Imported here so the forked children start warm (the worker's zygote does the same).
-import IPython.core.interactiveshell  # noqa: E402,F401
-import matplotlib.pyplot  # noqa: E402,F401
-import pandas  # noqa: E402,F401
-import nbformat  # noqa: E402
-import pytest  # noqa: E402
+from cells import run, texts, validated
+from conftest import ROOT
 
-import kernel.worker.outputs  # noqa: E402,F401
-from cellrun import outputs_of, run_cells, texts  # noqa: E402
-
-
-def no_ipython(kout):
-    """Harness setup: run as if IPython were not installed."""
-    kout.DISABLE_IPYTHON = True
+LIMITS = "[display]\nmax_output_bytes = 50000\nmax_mime_chars = 1000\n"
 
 
-def _diff(pair):
-    """What changed in the process state across a cell."""
-    before, after = pair
-    return {k: sorted(set(before[k]) ^ set(after[k])) if k == "fds" else (before[k], after[k])
-            for k in before if before[k] != after[k]}
+def one(server, source):
+    """Run one cell from the initial state; return (outputs, error), validated."""
+    (answer,) = run(server, source)
+    return answer["output"], answer["error"]
 
 
-def one(source, settings=None, setup=None):
-    """Run one cell; return (outputs, error), outputs validated."""
-    (result,) = run_cells([source], settings, setup)
-    assert result["restored"], _diff(result["restore_diff"])
-    return outputs_of(result), result["error"]
+@pytest.fixture(scope="module")
+def limited(tmp_path_factory):
+    """A server with small output limits."""
+    from conftest import Server
+    srv = Server(tmp_path_factory.mktemp("limited") / "data", config=LIMITS)
+    yield srv
+    srv.stop()
 
 
-def test_streams_and_displays_in_order_with_fd_level_output():
+def test_streams_and_displays_in_order_with_fd_level_output(server):
     """Python prints, os.system, child processes, raw fd writes and displays keep their order."""
-    outs, err = one(
-        "import os, subprocess, sys, ctypes\n"
-        "print('one', end='')\n"
-        "sys.stdout.buffer.write(b'\\n')\n"
-        "os.system('echo two')\n"
-        "subprocess.run(['echo', 'three'])\n"
-        "os.write(1, b'four\\n')\n"
-        "ctypes.CDLL(None).printf(b'five\\n')\n"
-        "display('shown')\n"
-        "sys.stderr.write('err one\\n')\n"
-        "os.system('echo err two >&2')\n"
-        "print('six')\n")
+    outs, err = one(server,
+                    "import os, subprocess, sys, ctypes\n"
+                    "print('one', end='')\n"
+                    "sys.stdout.buffer.write(b'\\n')\n"
+                    "os.system('echo two')\n"
+                    "subprocess.run(['echo', 'three'])\n"
+                    "os.write(1, b'four\\n')\n"
+                    "ctypes.CDLL(None).printf(b'five\\n')\n"
+                    "display('shown')\n"
+                    "sys.stderr.write('err one\\n')\n"
+                    "os.system('echo err two >&2')\n"
+                    "print('six')\n")
     assert err is None
     assert texts(outs) == [
         ("stdout", "one\ntwo\nthree\nfour\nfive\n"),
@@ -62,28 +61,58 @@ def test_streams_and_displays_in_order_with_fd_level_output():
     ]
 
 
-def test_consecutive_chunks_are_merged_into_one_string():
+def test_consecutive_chunks_are_merged_into_one_string(server):
     """A loop of prints gives one stream output whose text is one string."""
-    outs, _ = one("for i in range(500):\n    print(i, end=' ')\n")
+    outs, _ = one(server, "for i in range(500):\n    print(i, end=' ')\n")
     assert len(outs) == 1 and isinstance(outs[0]["text"], str)
     assert outs[0]["text"].split() == [str(i) for i in range(500)]
 
 
-def test_worker_state_restored_and_no_threads_left():
-    """After every cell: fds 1/2, sys.stdout/err and open fds are as before; one thread."""
-    results = run_cells(["print('x')", "import os; os.system('echo y')", "1/0",
-                         "import matplotlib.pyplot as plt; plt.plot([1]); plt.show()"])
-    for r in results:
-        outputs_of(r)
-        assert r["restored"], _diff(r["restore_diff"])
-        assert r["threads"] == 1
-        # Only IPython's marker, set once per process as in Jupyter.
-        assert set(r["builtins_added"]) <= {"__IPYTHON__"}
+def _process_state(pid):
+    """What a cell must leave as it found in its process: fds 1 and 2, the pipes,
+    memory files and sockets it has open (libraries may keep regular files open,
+    fonts), its threads."""
+    links = {}
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        with contextlib.suppress(OSError):
+            links[fd] = os.readlink(f"/proc/{pid}/fd/{fd}")
+    return {"fd1": links.get("1"), "fd2": links.get("2"),
+            "fds": sorted(f"{fd}:{link}" for fd, link in links.items()
+                          if link.startswith(("pipe:", "/memfd:", "socket:"))),
+            "threads": len(os.listdir(f"/proc/{pid}/task"))}
 
 
-def test_display_protocol_repr_methods_and_metadata():
+def test_worker_state_restored_and_no_threads_left(server):
+    """After every cell, its process has fds 1/2, open fds and threads as before it, and
+    builtins gain nothing but IPython's marker (set once per process, as in Jupyter)."""
+    (first,) = run(server, "import builtins, os\nnames = set(vars(builtins))\nos.getpid()")
+    pid = int(first["output"][0]["data"]["text/plain"])
+    before = _process_state(pid)
+    assert before["threads"] == 1 and "memfd" not in str(before), before
+    state = first["state_name"]
+    for code in ["print('x')", "os.system('echo y')", "!echo z",
+                 "import subprocess\nsubprocess.run(['echo', 'w'])",
+                 "import ctypes\nctypes.CDLL(None).printf(b'c\\n')",
+                 "os.system('echo hi > /dev/stdout')",
+                 "import threading\nt = threading.Thread(target=print, args=('t',))\n"
+                 "t.start(); t.join(); del t",
+                 "import matplotlib.pyplot as plt; plt.plot([1]); plt.show()"]:
+        # os.getpid() last: the same process ran the cell (the child that ran one
+        # stays as the first spare of the state it made).
+        answer = validated(server.execute(code + "\nos.getpid()", state))
+        assert answer["output"][-1]["data"]["text/plain"] == str(pid), code
+        state = answer["state_name"]
+        deadline = time.monotonic() + 30
+        while _process_state(pid) != before and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert _process_state(pid) == before, code
+    added = server.value(state, "sorted(set(vars(builtins)) ^ names)")
+    assert added in ("[]", "['__IPYTHON__']")
+
+
+def test_display_protocol_repr_methods_and_metadata(server):
     """_repr_*_ methods (with (data, metadata) returns) give their MIME types."""
-    cell = """
+    outs, err = one(server, """
 class Rich:
     def _repr_html_(self): return '<b>h</b>'
     def _repr_markdown_(self): return '**m**'
@@ -95,26 +124,24 @@ class Rich:
     def _repr_pdf_(self): return b'%PDF-1.4'
     def __repr__(self): return 'Rich()'
 Rich()
-"""
-    for setup in (None, no_ipython):
-        outs, err = one(cell, setup=setup)
-        assert err is None
-        (res,) = outs
-        assert res["output_type"] == "execute_result" and res["execution_count"] == 1
-        data = res["data"]
-        assert set(data) == {"text/plain", "text/html", "text/markdown", "image/svg+xml",
-                             "image/png", "image/jpeg", "text/latex", "application/json",
-                             "application/pdf"}
-        assert data["text/plain"] == "Rich()"
-        assert base64.b64decode(data["image/png"]).startswith(b"\x89PNG")
-        assert "\n" not in data["image/png"]
-        assert data["application/json"] == {"a": 1}
-        assert res["metadata"]["image/png"] == {"width": 3}
+""")
+    assert err is None
+    (res,) = outs
+    assert res["output_type"] == "execute_result" and res["execution_count"] == 1
+    data = res["data"]
+    assert set(data) == {"text/plain", "text/html", "text/markdown", "image/svg+xml",
+                         "image/png", "image/jpeg", "text/latex", "application/json",
+                         "application/pdf"}
+    assert data["text/plain"] == "Rich()"
+    assert base64.b64decode(data["image/png"]).startswith(b"\x89PNG")
+    assert "\n" not in data["image/png"]
+    assert data["application/json"] == {"a": 1}
+    assert res["metadata"]["image/png"] == {"width": 3}
 
 
-def test_mimebundle_ipython_display_raw_and_display_id():
+def test_mimebundle_ipython_display_raw_and_display_id(server):
     """_repr_mimebundle_, _ipython_display_, display(*objs), raw=True, display_id updates."""
-    cell = """
+    outs, err = one(server, """
 class B:
     def _repr_mimebundle_(self, include=None, exclude=None):
         return {'text/plain': 'B', 'text/html': '<i>B</i>'}, {'text/html': {'isolated': True}}
@@ -126,25 +153,23 @@ display({'text/plain': 'raw', 'text/html': '<u>raw</u>'}, raw=True)
 h = display('v1', display_id='d1')
 h.update('v2')
 Self()
-"""
-    for setup in (None, no_ipython):
-        outs, err = one(cell, setup=setup)
-        assert err is None, err
-        assert texts(outs) == [
-            ("display_data", ("text/html", "text/plain")),
-            ("display_data", ("text/plain",)),
-            ("display_data", ("text/html", "text/plain")),
-            ("display_data", ("text/plain",)),
-            ("stdout", "self-displayed\n"),
-        ]
-        assert outs[0]["metadata"] == {"text/html": {"isolated": True}}
-        assert outs[1]["data"]["text/plain"] == "7"
-        assert outs[3]["data"]["text/plain"] == "'v2'"
+""")
+    assert err is None, err
+    assert texts(outs) == [
+        ("display_data", ("text/html", "text/plain")),
+        ("display_data", ("text/plain",)),
+        ("display_data", ("text/html", "text/plain")),
+        ("display_data", ("text/plain",)),
+        ("stdout", "self-displayed\n"),
+    ]
+    assert outs[0]["metadata"] == {"text/html": {"isolated": True}}
+    assert outs[1]["data"]["text/plain"] == "7"
+    assert outs[3]["data"]["text/plain"] == "'v2'"
 
 
-def test_ipython_display_objects_and_display_function():
+def test_ipython_display_objects_and_display_function(server):
     """IPython.display objects render with Jupyter's MIME types."""
-    outs, err = one("""
+    outs, err = one(server, """
 from IPython.display import HTML, Markdown, Image, JSON, Latex, SVG, display
 display(HTML('<b>x</b>'), Markdown('*y*'), Latex('$z$'), JSON({'k': [1]}),
         SVG('<svg xmlns="http://www.w3.org/2000/svg" width="1" height="1"></svg>'))
@@ -160,24 +185,23 @@ Image(data=b.getvalue())
     assert outs[-1]["output_type"] == "execute_result"
 
 
-def test_display_is_a_builtin_the_user_can_shadow():
+def test_display_is_a_builtin_the_user_can_shadow(server):
     """display is not in globals(); a user-defined display wins."""
-    results = run_cells(["x = 1\nsorted(k for k in globals() if not k.startswith('__'))",
-                         "def display(x):\n    print('mine', x)\ndisplay(1)"])
-    assert results[0]["outputs"][0]["data"]["text/plain"] == "['x']"
-    assert texts(outputs_of(results[1])) == [("stdout", "mine 1\n")]
+    r = run(server, "x = 1\nsorted(k for k in globals() if not k.startswith('__'))",
+            "def display(x):\n    print('mine', x)\ndisplay(1)")
+    assert r[0]["output"][0]["data"]["text/plain"] == "['x']"
+    assert texts(r[1]["output"]) == [("stdout", "mine 1\n")]
 
 
-def test_matplotlib_show_and_cell_end_then_closed():
+def test_matplotlib_show_and_cell_end_then_closed(server):
     """Figures appear at plt.show() and at cell end, as PNG with size metadata, never twice."""
-    results = run_cells([
-        "import matplotlib.pyplot as plt\n"
-        "for i in range(2):\n    print('fig', i)\n    plt.plot([0, i])\n    plt.show()\n"
-        "plt.figure(figsize=(2, 1)); plt.plot([1, 2])\nprint('end')",
-        "print(len(plt.get_fignums()))",
-        "fig, ax = plt.subplots(); ax.plot([1, 3]); plt.close(fig)",
-    ])
-    outs = outputs_of(results[0])
+    r = run(server,
+            "import matplotlib.pyplot as plt\n"
+            "for i in range(2):\n    print('fig', i)\n    plt.plot([0, i])\n    plt.show()\n"
+            "plt.figure(figsize=(2, 1)); plt.plot([1, 2])\nprint('end')",
+            "print(len(plt.get_fignums()))",
+            "fig, ax = plt.subplots(); ax.plot([1, 3]); plt.close(fig)")
+    outs = r[0]["output"]
     assert [t[0] for t in texts(outs)] == ["stdout", "display_data", "stdout", "display_data",
                                            "stdout", "display_data"]
     for out in outs[1::2]:
@@ -187,16 +211,15 @@ def test_matplotlib_show_and_cell_end_then_closed():
         assert meta["width"] == int.from_bytes(png[16:20], "big")
         assert meta["height"] == int.from_bytes(png[20:24], "big")
     assert outs[-1]["metadata"]["image/png"]["width"] < outs[1]["metadata"]["image/png"]["width"]
-    assert texts(outputs_of(results[1])) == [("stdout", "0\n")]
-    assert outputs_of(results[2]) == []
+    assert texts(r[1]["output"]) == [("stdout", "0\n")]
+    assert r[2]["output"] == []
 
 
 @pytest.mark.parametrize("fmt", ["svg", "retina"])
-def test_figure_format_and_dpi_settings(fmt):
+def test_figure_format_and_dpi_settings(make_server, fmt):
     """display.figure_format and display.figure_dpi change the figure output."""
-    settings = {"display.figure_format": fmt, "display.figure_dpi": 50}
-    outs, err = one("import matplotlib.pyplot as plt\nplt.figure(figsize=(4, 2)); plt.plot([1, 2])",
-                    settings)
+    srv = make_server(config=f'[display]\nfigure_format = "{fmt}"\nfigure_dpi = 50\n')
+    outs, err = one(srv, "import matplotlib.pyplot as plt\nplt.figure(figsize=(4, 2)); plt.plot([1, 2])")
     assert err is None
     (out,) = [o for o in outs if o["output_type"] == "display_data"]
     if fmt == "svg":
@@ -208,13 +231,27 @@ def test_figure_format_and_dpi_settings(fmt):
         assert 300 < width <= 400  # 4 inches at 2 x 50 dpi, cropped tight
 
 
-def test_pandas_jupyter_display_and_limits():
-    """DataFrame/Series/Styler show HTML and text; Jupyter's limits apply, settings override."""
-    cell = ("import pandas as pd\n"
-            "df = pd.DataFrame({'a': range(100), 'b': ['x'] * 100})\n"
-            "display(df)\ndisplay(df['a'])\ndisplay(df.head(3).style.highlight_max())\n"
-            "pd.DataFrame({f'c{i}': [i] for i in range(30)})")
-    outs, err = one(cell)
+def test_figure_dpi_setting_is_the_default_and_a_figure_dpi_wins(make_server):
+    """display.figure_dpi sets new figures' dpi; plt.figure(dpi=...) overrides it, as in Jupyter."""
+    srv = make_server(config="[display]\nfigure_dpi = 50\n")
+    outs, err = one(srv, "import matplotlib.pyplot as plt\n"
+                         "plt.figure(figsize=(4, 2)); plt.plot([1, 2])\n"
+                         "plt.figure(figsize=(4, 2), dpi=100); plt.plot([1, 2]);")
+    assert err is None
+    small, large = (o["metadata"]["image/png"]["width"] for o in outs)
+    assert small < 210 < 300 < large <= 400
+    assert outs[0]["data"]["text/plain"] == "<Figure size 200x100 with 1 Axes>"
+
+
+_PANDAS_CELL = ("import pandas as pd\n"
+                "df = pd.DataFrame({'a': range(100), 'b': ['x'] * 100})\n"
+                "display(df)\ndisplay(df['a'])\ndisplay(df.head(3).style.highlight_max())\n"
+                "pd.DataFrame({f'c{i}': [i] for i in range(30)})")
+
+
+def test_pandas_jupyter_display_and_limits(server):
+    """DataFrame/Series/Styler show HTML and text; Jupyter's limits apply."""
+    outs, err = one(server, _PANDAS_CELL)
     assert err is None
     frame, series, styler, wide = outs
     assert set(frame["data"]) == {"text/plain", "text/html"}
@@ -224,16 +261,21 @@ def test_pandas_jupyter_display_and_limits():
     assert "Name: a, Length: 100" in series["data"]["text/plain"]
     assert "<style" in styler["data"]["text/html"]
     assert "..." in wide["data"]["text/plain"]  # 20 columns max
-    outs, _ = one(cell, {"display.max_rows": 200, "display.max_columns": 50})
+
+
+def test_display_max_flags_reach_pandas_through_the_server(make_server):
+    """--display-max-rows/--display-max-columns override Jupyter's limits, end to end."""
+    srv = make_server(extra_args=["--display-max-rows", "200", "--display-max-columns", "50"])
+    outs, err = one(srv, _PANDAS_CELL)
+    assert err is None
     assert len(outs[0]["data"]["text/plain"].splitlines()) == 101
     assert "..." not in outs[3]["data"]["text/plain"]
 
 
-def test_output_byte_limit_cuts_with_marker():
+def test_output_byte_limit_cuts_with_marker(limited):
     """Past display.max_output_bytes the output is cut with a visible marker, no failure."""
-    outs, err = one("import os\nfor i in range(2000):\n    print('x' * 99)\n"
-                    "os.system('yes | head -c 100000')\ndisplay('late')",
-                    {"display.max_output_bytes": 50_000})
+    outs, err = one(limited, "import os\nfor i in range(2000):\n    print('x' * 99)\n"
+                             "os.system('yes | head -c 100000')\ndisplay('late')")
     assert err is None
     total = sum(len(o.get("text", "")) for o in outs)
     assert 50_000 <= total < 51_000
@@ -241,85 +283,217 @@ def test_output_byte_limit_cuts_with_marker():
     assert all(o["output_type"] == "stream" for o in outs)
 
 
-def test_mime_entry_limit_cuts_with_marker():
+def test_mime_entry_limit_cuts_with_marker(limited):
     """An entry longer than display.max_mime_chars is cut (text) or replaced by a note (image)."""
-    outs, err = one("from IPython.display import HTML, Image\n"
-                    "display(HTML('<p>' + 'y' * 5000))\n"
-                    "'z' * 5000", {"display.max_mime_chars": 1000})
+    outs, err = one(limited, "from IPython.display import HTML, Image\n"
+                             "display(HTML('<p>' + 'y' * 5000))\n"
+                             "'z' * 5000")
     assert err is None
     html = outs[0]["data"]["text/html"]
     assert len(html) < 1200 and "truncated" in html
     assert "truncated" in outs[1]["data"]["text/plain"] and len(outs[1]["data"]["text/plain"]) < 1200
-    outs, _ = one("import matplotlib.pyplot as plt\nplt.plot([1, 2]);", {"display.max_mime_chars": 100})
+    outs, _ = one(limited, "import matplotlib.pyplot as plt\nplt.plot([1, 2]);")
     (fig,) = outs
     assert "image/png" not in fig["data"] and "truncated" in fig["data"]["text/plain"]
 
 
-def test_clear_output():
+def test_clear_output(server):
     """IPython.display.clear_output drops what the cell showed so far."""
-    outs, err = one("from IPython.display import clear_output\nprint('old')\n"
-                    "clear_output()\nprint('new')\nclear_output(wait=True)\nprint('newest')")
+    outs, err = one(server, "from IPython.display import clear_output\nprint('old')\n"
+                            "clear_output()\nprint('new')\nclear_output(wait=True)\nprint('newest')")
     assert err is None
     assert texts(outs) == [("stdout", "newest\n")]
 
 
-def test_logging_handler_from_an_earlier_cell_keeps_writing_to_the_cell():
+def test_logging_handler_from_an_earlier_cell_keeps_writing_to_the_cell(server):
     """A StreamHandler bound to sys.stderr in one cell writes into later cells' outputs."""
-    results = run_cells(["import logging\nlog = logging.getLogger('t')\n"
-                         "log.addHandler(logging.StreamHandler())\nlog.propagate = False",
-                         "log.warning('careful')"])
-    assert texts(outputs_of(results[1])) == [("stderr", "careful\n")]
+    r = run(server, "import logging\nlog = logging.getLogger('t')\n"
+                    "log.addHandler(logging.StreamHandler())\nlog.propagate = False",
+            "log.warning('careful')")
+    assert texts(r[1]["output"]) == [("stderr", "careful\n")]
 
 
-def test_config_inline_backend_figure_format():
+def test_config_inline_backend_figure_format(server):
     """%config InlineBackend.figure_format = 'svg' switches figures to SVG, as in Jupyter."""
-    r = run_cells(["%config InlineBackend.figure_format = 'svg'",
-                   "import matplotlib.pyplot as plt\nplt.plot([1, 2]);"])
+    r = run(server, "%config InlineBackend.figure_format = 'svg'",
+            "import matplotlib.pyplot as plt\nplt.plot([1, 2]);")
     assert r[0]["error"] is None, r[0]["error"]
-    (fig,) = outputs_of(r[1])
+    (fig,) = r[1]["output"]
     assert "image/svg+xml" in fig["data"] and "image/png" not in fig["data"]
 
 
-def test_child_reopening_dev_stdout_is_captured():
+def test_child_reopening_dev_stdout_is_captured(server):
     """`cmd > /dev/stdout` (a truncating reopen of fd 1) is still captured, without NULs."""
-    outs, err = one("import os\nprint('a')\nos.system('echo hi > /dev/stdout; echo after')\nprint('b')")
+    outs, err = one(server, "import os\nprint('a')\nos.system('echo hi > /dev/stdout; echo after')\n"
+                            "print('b')")
     assert err is None
     assert texts(outs) == [("stdout", "a\nhi\nafter\nb\n")]
 
 
-def test_figure_dpi_setting_is_the_default_and_a_figure_dpi_wins():
-    """display.figure_dpi sets new figures' dpi; plt.figure(dpi=...) overrides it, as in Jupyter."""
-    outs, err = one("import matplotlib.pyplot as plt\n"
-                    "plt.figure(figsize=(4, 2)); plt.plot([1, 2])\n"
-                    "plt.figure(figsize=(4, 2), dpi=100); plt.plot([1, 2]);",
-                    {"display.figure_dpi": 50})
-    assert err is None
-    small, large = (o["metadata"]["image/png"]["width"] for o in outs)
-    assert small < 210 < 300 < large <= 400
-    assert outs[0]["data"]["text/plain"] == "<Figure size 200x100 with 1 Axes>"
+@pytest.mark.parametrize("pad", [0, 3000])
+def test_prints_from_threads_of_the_cell_are_all_captured_once(server, pad):
+    """Threads printing (Python and fd level) during the cell: every line once, whole.
 
-
-def test_prints_from_threads_of_the_cell_are_all_captured_once():
-    """Threads printing (Python and fd level) during the cell: every line once."""
-    outs, err = one("import os, sys, threading\n"
-                    "def work(k):\n"
-                    "    for i in range(200):\n"
-                    "        sys.stdout.write(f'p{k}-{i}\\n')\n"
-                    "        os.write(1, f'f{k}-{i}\\n'.encode())\n"
-                    "ts = [threading.Thread(target=work, args=(k,)) for k in range(4)]\n"
-                    "for t in ts: t.start()\n"
-                    "for t in ts: t.join()")
+    With long lines most fd-level writes span two pages of the capture file,
+    which another thread's drain may find half written (it did, under load).
+    """
+    outs, err = one(server, "import os, sys, threading\n"
+                            "def work(k):\n"
+                            "    for i in range(200):\n"
+                            "        sys.stdout.write(f'p{k}-{i}\\n')\n"
+                            f"        os.write(1, f'f{{k}}-{{i}}{'x' * pad}\\n'.encode())\n"
+                            "ts = [threading.Thread(target=work, args=(k,)) for k in range(4)]\n"
+                            "for t in ts: t.start()\n"
+                            "for t in ts: t.join()")
     assert err is None
     lines = "".join(o["text"] for o in outs).split()
-    assert sorted(lines) == sorted(f"{c}{k}-{i}" for c in "pf" for k in range(4) for i in range(200))
+    assert sorted(lines) == sorted([f"p{k}-{i}" for k in range(4) for i in range(200)]
+                                   + [f"f{k}-{i}" + "x" * pad for k in range(4) for i in range(200)])
 
 
-def test_display_max_flags_reach_pandas_through_the_server(make_server):
-    """--display-max-rows/--display-max-columns override Jupyter's limits, end to end."""
-    srv = make_server(extra_args=["--display-max-rows", "6", "--display-max-columns", "3"])
-    answer = srv.execute("import pandas as pd\npd.DataFrame({f'c{i}': range(20) for i in range(8)})")
-    (out,) = answer["output"]
-    nbformat.validate(out, ref="output", version=4)
-    text = out["data"]["text/plain"]
-    assert "[20 rows x 8 columns]" in text
-    assert len(text.splitlines()) < 12 and "..." in text.splitlines()[0]
+# -- streaming (run_cell's sink) ---------------------------------------------
+
+_STREAMING = r"""
+import json, os, signal, sys
+from kernel.config import load
+from kernel.worker import runner
+
+items = []
+
+
+def sink(item):
+    if item["type"] == "output" and item["output"].get("text") == "interrupt me\n":
+        os.kill(os.getpid(), signal.SIGINT)  # arrives while the sink is at work
+    items.append(item)
+
+
+namespace = {"__name__": "__main__", "__builtins__": __builtins__, "items": items}
+outputs, error = runner.run_cell(runner.compile_cell(sys.stdin.read(), 1), namespace, 1,
+                                 load(), sink=sink)
+json.dump({"items": items, "outputs": outputs, "error": error,
+           "seen": namespace.get("seen")}, sys.stdout)
+"""
+
+
+def stream_cell(source):
+    """Run one cell through runner.run_cell with a sink, in a fresh process."""
+    done = subprocess.run([sys.executable, "-c", _STREAMING], input=source, cwd=ROOT,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    return json.loads(done.stdout)
+
+
+def replay(items):
+    """The cell's final outputs as a front end rebuilds them from the streamed items."""
+    outputs, clear_pending = [], False
+    for item in items:
+        if item["type"] == "clear_output":
+            if item["wait"]:
+                clear_pending = True
+            else:
+                outputs = []
+            continue
+        out = dict(item["output"])
+        if out["output_type"] == "update_display_data":
+            for shown in outputs:
+                if shown.get("transient") == out["transient"]:
+                    shown.update(data=out["data"], metadata=out["metadata"])
+            continue
+        if clear_pending:
+            outputs, clear_pending = [], False
+        last = outputs[-1] if outputs else None
+        if out["output_type"] == "stream" and last and last["output_type"] == "stream" \
+                and last["name"] == out["name"]:
+            last["text"] += out["text"]
+        else:
+            outputs.append(out)
+    return [{k: v for k, v in o.items() if k != "transient"} for o in outputs]
+
+
+def test_streamed_items_come_in_order_and_rebuild_the_outputs():
+    """Each output reaches the sink as it is produced, chunk by chunk, in order; replayed,
+    the items give exactly the outputs run_cell returns."""
+    result = stream_cell(
+        "import os, sys\nfrom IPython.display import HTML, clear_output\n"
+        "sys.stdout.write('a\\n'); sys.stderr.write('b\\n'); sys.stdout.write('c\\n')\n"
+        "display(HTML('<b>h</b>'))\n"
+        "h = display('v1', display_id='d1')\nh.update('v2')\n"
+        "os.system('echo fd')\n"
+        "clear_output(wait=True)\n"
+        "sys.stdout.write('after clear\\n')\nh.update('v3')\n"
+        "42")
+    assert result["error"] is None, result["error"]
+    view = [(i["type"], i["output"]["output_type"], i["output"].get("text") or
+             i["output"].get("data", {}).get("text/plain"), i["output"].get("transient"))
+            if i["type"] == "output" else (i["type"], i["wait"]) for i in result["items"]]
+    assert view == [
+        ("output", "stream", "a\n", None),
+        ("output", "stream", "b\n", None),
+        ("output", "stream", "c\n", None),
+        ("output", "display_data", "<IPython.core.display.HTML object>", None),
+        ("output", "display_data", "'v1'", {"display_id": "d1"}),
+        ("output", "update_display_data", "'v2'", {"display_id": "d1"}),
+        ("output", "stream", "fd\n", None),
+        ("clear_output", True),
+        ("output", "stream", "after clear\n", None),
+        ("output", "update_display_data", "'v3'", {"display_id": "d1"}),
+        ("output", "execute_result", "42", None),
+    ]
+    assert replay(result["items"]) == result["outputs"]
+    assert texts(result["outputs"]) == [("stdout", "after clear\n"),
+                                        ("execute_result", ("text/plain",))]
+
+
+def test_first_output_is_streamed_before_the_cell_goes_on():
+    """A print reaches the sink before the cell's next statement runs (print, wait, print)."""
+    result = stream_cell("print('first')\nseen = ''.join(i['output']['text'] for i in items)\n"
+                         "print('second')")
+    assert result["seen"] == "first\n"
+    assert "".join(i["output"]["text"] for i in result["items"]) == "first\nsecond\n"
+
+
+def test_streamed_answer_of_the_server_rebuilds_its_outputs(server):
+    """Through the real worker ("stream": true): the NDJSON items, replayed, are the answer's
+    outputs, for a cell mixing threads, fd-level output, displays, updates and clears."""
+    code = ("import os, sys, threading\nfrom IPython.display import clear_output\n"
+            "print('gone'); clear_output()\n"
+            "h = display('v1', display_id=True)\n"
+            "def work(k):\n"
+            "    for i in range(50):\n"
+            "        print(f'p{k}-{i}', end='' if i % 7 else '\\n'); os.write(1, f'f{k}-{i}\\n'.encode())\n"
+            "ts = [threading.Thread(target=work, args=(k,)) for k in range(3)]\n"
+            "for t in ts: t.start()\n"
+            "for t in ts: t.join()\n"
+            "h.update('v2'); sys.stderr.write('err\\n'); os.system('echo last')\n"
+            "clear_output(wait=True); print('kept', end='')\n"
+            "'result'")
+    body = {"code": code, "exec_id": "stream-replay", "state_name": "initial", "stream": True}
+    with requests.post(server.url + "/execute", params={"token": server.token}, json=body,
+                       stream=True, timeout=120) as r:
+        *items, last = [json.loads(raw) for raw in r.iter_lines() if raw]
+    answer = last["answer"]
+    assert answer["error"] is None, answer["error"]
+    assert len(items) > 10 and replay(items) == answer["output"]
+    assert texts(answer["output"]) == [("stdout", "kept"), ("execute_result", ("text/plain",))]
+
+
+def test_stream_text_is_streamed_a_line_at_a_time_or_when_flushed():
+    """As a terminal shows it: a print is one item; a partial line goes when the stream is
+    flushed (progress bars), when another item comes, or at the end of the cell."""
+    result = stream_cell("import sys\nprint('x', end=''); print('y')\n"
+                         "print('.', end='', flush=True)\nseen = len(items)\n"
+                         "print('partial', end='')\nsys.stderr.write('e\\n')\nprint('end', end='')")
+    assert result["seen"] == 2
+    assert [(i["output"]["name"], i["output"]["text"]) for i in result["items"]] == [
+        ("stdout", "xy\n"), ("stdout", "."), ("stdout", "partial"), ("stderr", "e\n"),
+        ("stdout", "end")]
+    assert replay(result["items"]) == result["outputs"]
+
+
+def test_interrupt_waits_for_the_sink_to_finish():
+    """A SIGINT while the sink works is delivered after it: the item is whole, then the
+    cell stops with KeyboardInterrupt."""
+    result = stream_cell("import sys\nsys.stdout.write('interrupt me\\n')\nprint('never')")
+    assert result["error"]["ename"] == "KeyboardInterrupt"
+    assert [i["output"]["text"] for i in result["items"]] == ["interrupt me\n"]
+    assert texts(result["outputs"]) == [("stdout", "interrupt me\n")]

@@ -36,7 +36,7 @@ def test_every_route_but_health_needs_the_token(server):
                 assert r.status_code == 401, (method, path, params, headers, r.text)
                 assert r.json()["error"]["type"] == "Unauthorized"
             checked += 1
-    assert checked == 11
+    assert checked == 15
     # Nothing was done by the refused requests.
     assert server.get("/states").json()["states"] == ["initial"]
 

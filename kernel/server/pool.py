@@ -85,9 +85,15 @@ class LiveState:
 class Pool:
     """Spawns and tracks every worker process."""
 
-    def __init__(self, settings):
-        """Prepare the socket and bookkeeping; `start` launches the zygote."""
+    def __init__(self, settings, env=None, cwd=None):
+        """Prepare the socket and bookkeeping; `start` launches the zygote.
+
+        The zygote starts from `env` (default: this process's environment) in
+        `cwd` (default: the repository), plus the variables it always sets.
+        """
         self.settings = settings
+        self.env = env
+        self.cwd = cwd
         self.connections = Connections(self._introduce, self._closed)
         self.lock = threading.RLock()
         self.live = collections.OrderedDict()  # state id -> LiveState, least recent first
@@ -113,14 +119,17 @@ class Pool:
 
     def _spawn_zygote(self):
         """Spawn (not fork) the zygote with a fixed hash seed and the Agg backend."""
-        env = dict(os.environ, PYTHONHASHSEED="0", MPLBACKEND="Agg")
-        env["PYTHONPATH"] = os.pathsep.join(filter(None, [ROOT, env.get("PYTHONPATH")]))
+        if self.connections.closed:
+            # A request still waiting when the pool closed must not start another zygote.
+            raise WorkerError("WorkerStartFailed", "the worker pool is closed")
+        env = zygote_env(os.environ if self.env is None else self.env)
         out = open(self.settings["server.log_file"] or os.devnull, "ab")
         code = ("import json, sys\nfrom kernel.worker.zygote import zygote_main\n"
                 "zygote_main(sys.argv[1], json.loads(sys.argv[2]))")
         self.zygote_proc = subprocess.Popen(
             [sys.executable, "-c", code, self.connections.sock_path, json.dumps(self.settings)],
-            stdin=subprocess.DEVNULL, stdout=out, stderr=out, env=env, cwd=ROOT,
+            stdin=subprocess.DEVNULL, stdout=out, stderr=out, env=env,
+            cwd=ROOT if self.cwd is None else self.cwd,
             start_new_session=True)
         out.close()
 
@@ -437,6 +446,14 @@ class Pool:
             except (ProcessLookupError, PermissionError):
                 pass
             self.zygote_proc.wait()
+
+
+def zygote_env(base):
+    """The environment a zygote is spawned with: `base`, a fixed hash seed, the Agg
+    backend, and this repository first on PYTHONPATH."""
+    env = dict(base, PYTHONHASHSEED="0", MPLBACKEND="Agg")
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [ROOT, env.get("PYTHONPATH")]))
+    return env
 
 
 def rss(pid):

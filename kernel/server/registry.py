@@ -26,8 +26,9 @@ INITIAL = "initial"
 class Registry:
     """Named states on a store, executed through forked workers."""
 
-    def __init__(self, settings):
-        """Open the store, load the manifests, start the worker pool."""
+    def __init__(self, settings, env=None, cwd=None):
+        """Open the store, load the manifests, start the worker pool (its zygote in
+        environment `env` and folder `cwd`: see Pool)."""
         self.settings = settings
         trace.configure(settings, "server")
         self.store = open_store(settings)
@@ -39,7 +40,7 @@ class Registry:
         self.names = self.store.manifests()
         self._ensure_initial()
         self.generation = 0  # bumped by reset: results of runs started before it are void
-        self.pool = Pool(settings)
+        self.pool = Pool(settings, env, cwd)
         self.supervisor = Supervisor(settings, self.pool)
         self.pool.start()
 
@@ -214,6 +215,22 @@ class Registry:
     def interrupt(self, exec_id):
         """Interrupt the run `exec_id`; False if none is running its cell."""
         return self.supervisor.interrupt(_key(exec_id))
+
+    def add_state(self, manifest):
+        """Store and name a state whose manifest the caller composed from other states'
+        groups (no process made it: the first execution from it restores it)."""
+        try:
+            self.store.put_state(manifest["name"], manifest, {})
+        except NameConflict:
+            self._refresh(manifest["name"])  # as in _raise_store_error
+            raise
+        with self.lock:
+            old = self.names.get(manifest["name"])
+            self.names[manifest["name"]] = manifest
+        if self.shared:
+            self.shared.bound(manifest)
+        if old is not None and old["id"] != manifest["id"]:
+            self.pool.retire(old["id"])
 
     def _raise_store_error(self, error, new_name=None):
         """Raise the store failure a worker reported (full; damaged bytes met while

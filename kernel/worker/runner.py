@@ -1,17 +1,17 @@
 """Compiling and running one notebook cell, with Jupyter's semantics.
 
 `compile_cell` turns a cell's source into code objects: IPython syntax
-(magics, `!cmd`) is transformed when IPython is installed, the last
+(magics, `!cmd`) is transformed by IPython's input transformer, the last
 expression statement is split off so its value can be shown, and the source
 is registered in `linecache` under a file name unique to this execution so
 tracebacks show the cell's lines. It never raises for bad user code: a
 SyntaxError becomes the CompiledCell's `.error`.
 
 `run_cell` runs the code objects in the worker's namespace under
-kernel.outputs' capture and returns (outputs, error): nbformat v4 outputs in
+kernel.worker.capture and returns (outputs, error): nbformat v4 outputs in
 the order the cell produced them, and the error dict {ename, evalue,
 traceback} (or None). Every BaseException the cell raises is reported, never
-propagated.
+propagated. Given a sink, it also streams each output as it is produced.
 """
 
 import ast
@@ -26,15 +26,13 @@ import re
 import signal
 import tokenize
 
-from kernel.worker import outputs
+from kernel.worker import capture
 
 _KERNEL_DIR = os.path.dirname(os.path.abspath(__file__))
 _counter = itertools.count(1)
 # File names of cells look like "<cell In[3] 1234-7>": the "In[3]" part is read
 # back when formatting tracebacks, even in another process after a restore.
 _CELL_FILE = re.compile(r"^<cell In\[(\d*)\] [^>]*>$")
-# Lines that are IPython syntax rather than Python: %magic, %%cell magic, !cmd, obj?.
-_MAGIC_LINE = re.compile(r"^\s*(%%?[A-Za-z_]\w*|!|\S.*\?\s*$)")
 
 # Sources without these never change under IPython's transformer: magics (%), shell
 # escapes (!), help (?), an indented first line, pasted >>> / In [1]: prompts.
@@ -79,44 +77,17 @@ def _register_source(filename, source):
 
 
 def _transform(source):
-    """Apply IPython's input transformer, or refuse IPython syntax when it is missing.
-
-    Returns (python_source, uses_ipython, error_dict_or_None).
-    """
+    """Apply IPython's input transformer; return (python_source, uses_ipython)."""
     if not _MAYBE_IPYTHON.search(source):
         # No character IPython's transformer acts on: plain Python, skip it (~0.2 ms).
-        return source, "get_ipython" in source, None
-    if outputs.ipython_available():
-        try:
-            from IPython.core.inputtransformer2 import TransformerManager
-            transformed = TransformerManager().transform_cell(source)
-        except SyntaxError:
-            # Let Python's own parser report the error with a caret.
-            return source, False, None
-        return transformed, "get_ipython" in transformed, None
+        return source, "get_ipython" in source
+    from IPython.core.inputtransformer2 import TransformerManager
     try:
-        compile(source, "<cell>", "exec", flags=ast.PyCF_ONLY_AST | _TOP_LEVEL_AWAIT,
-                dont_inherit=True)
-        return source, "get_ipython" in source, None
+        transformed = TransformerManager().transform_cell(source)
     except SyntaxError:
-        pass
-    for line in source.splitlines():
-        match = _MAGIC_LINE.match(line)
-        if match:
-            what = match.group(1).strip()
-            kind = "shell command (!cmd)" if what.startswith("!") else f"magic {what}"
-            if what.endswith("?"):
-                kind = "help syntax (obj?)"
-            error = {
-                "ename": "UsageError",
-                "evalue": (f"this cell uses IPython syntax, the {kind} on line "
-                           f"{source.splitlines().index(line) + 1}, but IPython is not "
-                           f"installed in the kernel's environment: pip install ipython"),
-                "traceback": [],
-            }
-            error["traceback"] = [f"UsageError: {error['evalue']}"]
-            return source, True, error
-    return source, False, None
+        # Let Python's own parser report the error with a caret.
+        return source, False
+    return transformed, "get_ipython" in transformed
 
 
 def _ends_with_semicolon(source):
@@ -146,9 +117,7 @@ def compile_cell(source, execution_count):
 def _compile(source, execution_count):
     """compile_cell's work; may raise on internal failures."""
     filename = cell_filename(execution_count)
-    python_source, uses_ipython, error = _transform(source)
-    if error is not None:
-        return CompiledCell(source, execution_count, filename, error=error, uses_ipython=True)
+    python_source, uses_ipython = _transform(source)
     _register_source(filename, python_source)
     try:
         tree = ast.parse(python_source, filename=filename, mode="exec",
@@ -197,8 +166,8 @@ def _cell_label(filename):
 
 
 def _is_kernel_frame(filename):
-    """True for frames of the kernel itself (left out of tracebacks)."""
-    return bool(filename) and os.path.dirname(os.path.abspath(filename)) == _KERNEL_DIR
+    """True for frames of the worker itself (left out of tracebacks)."""
+    return bool(filename) and os.path.abspath(filename).startswith(_KERNEL_DIR + os.sep)
 
 
 def _context(filename, lineno, before=2, after=2):
@@ -376,36 +345,44 @@ def _sigint_deferred():
         signal.signal(signal.SIGINT, old)
 
 
-def run_cell(cell, namespace, execution_count, settings):
+def run_cell(cell, namespace, execution_count, settings, sink=None):
     """Run a compiled cell in `namespace`; return (outputs, error) and never raise.
 
     `outputs` are nbformat v4 output dicts in the order the cell produced
     them; `error` is None or {ename, evalue, traceback}. KeyboardInterrupt
     (the worker's interrupt), SystemExit and any other BaseException become
     the error; the outputs produced before it are kept.
+
+    `sink`, if given, is called with each output item as the cell produces
+    it, in order, one call at a time: {"type": "output", "output": o} where
+    o is a stream output holding only the newly written text, a
+    display_data or execute_result (with "transient": {"display_id"} when
+    it has one), or an update_display_data with its "transient"; and
+    {"type": "clear_output", "wait": bool}. The error is not streamed: it
+    comes with the result.
     """
     if cell.error is not None:
         return [], cell.error
     error = None
     try:
-        manager = outputs.capture(settings, execution_count, namespace)
+        manager = capture.capture(settings, execution_count, namespace, sink)
         collector = manager.__enter__()
     except BaseException as exc:  # the capture could not be set up: report, run nothing
         return [], _safe_error(exc, execution_count)
     info = value = failure = None
     try:
         try:
-            info = outputs.pre_run_events(cell.source)
+            info = capture.pre_run_events(cell.source)
             for code in cell.codes:
                 value = _run_code(code, namespace)
             if cell.has_result and value is not None:
-                data, md = outputs.format_object(value)
+                data, md = capture.format_object(value)
                 if data:
                     collector.display(data, md, output_type="execute_result")
         except BaseException as exc:  # the cell's error, whatever it is
             failure = exc
             error = _safe_error(exc, execution_count)
-        outputs.post_run_events(info, cell.source, failure, value)
+        capture.post_run_events(info, cell.source, failure, value)
     except BaseException as exc:  # an interrupt just after the cell, or a failing hook
         if error is None:
             error = _safe_error(exc, execution_count)
@@ -413,14 +390,14 @@ def run_cell(cell, namespace, execution_count, settings):
         # An interrupt now must not leave fds or sys.stdout redirected.
         with _sigint_deferred():
             try:
-                outputs.finish_cell(collector)
+                capture.finish_cell(collector)
             except BaseException as exc:
                 if error is None:
                     error = _safe_error(exc, execution_count)
             with contextlib.suppress(BaseException):
                 manager.__exit__(None, None, None)
             result = collector.result()
-            error = _cap_error(error, outputs.setting(settings, "display.max_mime_chars"))
+            error = _cap_error(error, settings["display.max_mime_chars"])
     return result, error
 
 

@@ -32,8 +32,8 @@ def zygote_main(sock_path, settings):
     trace.configure(settings, "zygote")
     limits.init_zygote()
     from kernel.worker import holder, runner  # every holder runs cells: imported once, here
-    runner.outputs.watch_imports()
-    warm = os.fork() == 0
+    runner.capture.watch_imports()
+    warm = settings["workers.warm_zygote"] and os.fork() == 0
     if warm:
         # Neither attribute survives a fork; the warm zygote dies with the cold one.
         prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
@@ -70,7 +70,7 @@ def _warm(settings):
         except Exception:
             pass
     from kernel.worker import runner
-    runner.outputs.warm()
+    runner.capture.warm()
     remote.warm(settings)
     runner.run_cell(runner.compile_cell("_w = [1]\n_w", 0), {"__builtins__": __builtins__}, 0,
                     settings)

@@ -1,0 +1,1 @@
+"""The Jupyter kernel: a client of the snapshot server; each executed cell is a new state."""

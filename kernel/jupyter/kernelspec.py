@@ -1,0 +1,94 @@
+"""`python main.py install-kernelspec`: make the kernel known to Jupyter.
+
+The kernelspec runs this checkout's kernel with this interpreter: the
+command puts the checkout first on sys.path itself (not PYTHONPATH in the
+spec's env, which would replace the user's own PYTHONPATH in every cell).
+"""
+
+import argparse
+import json
+import os
+import re
+import shutil
+import sys
+import tempfile
+
+from kernel.config import ROOT
+
+DEFAULT_NAME = "snapshot"
+DISPLAY_NAME = "Python (snapshot)"
+_NAME = re.compile(r"^[a-zA-Z0-9._-]+$")  # what jupyter_client accepts
+_LAUNCH = ("import sys; sys.path.insert(0, sys.argv.pop(1)); "
+           "from kernel.jupyter.kernel import main; main()")
+
+
+def spec(name, config_file=None):
+    """The kernel.json of kernelspec `name`."""
+    argv = [sys.executable, "-c", _LAUNCH, ROOT, f"--SnapshotKernel.spec_name={name}"]
+    if config_file:
+        argv.append(f"--SnapshotKernel.config_file={config_file}")
+    return {
+        "argv": argv + ["-f", "{connection_file}"],
+        "display_name": DISPLAY_NAME if name == DEFAULT_NAME else f"Python (snapshot: {name})",
+        "language": "python",
+        "interrupt_mode": "message",
+        "metadata": {"debugger": False},
+    }
+
+
+def parse_args(argv):
+    """The command line of install-kernelspec."""
+    p = argparse.ArgumentParser(prog="main.py install-kernelspec",
+                                description="Install the Jupyter kernelspec of the snapshot "
+                                            "kernel (display name \"Python (snapshot)\")")
+    where = p.add_mutually_exclusive_group()
+    where.add_argument("--user", action="store_true",
+                       help="install for this user rather than system-wide")
+    p.add_argument("--name", default=DEFAULT_NAME,
+                   help="kernelspec name; each name has its own store (default %(default)s)")
+    where.add_argument("--prefix",
+                       help="install under this prefix (e.g. a virtualenv's sys.prefix)")
+    p.add_argument("--config", help="a TOML file overriding config.toml for this kernelspec's "
+                                    "kernel and server")
+    return p.parse_args(argv)
+
+
+def main(argv):
+    """Install the kernelspec; exit status 2 with a message on bad input."""
+    args = parse_args(argv)
+    if not _NAME.match(args.name):
+        print(f"error: --name {args.name!r}: a kernelspec name has only ASCII letters, "
+              f"digits, '.', '_' and '-'", file=sys.stderr)
+        sys.exit(2)
+    # Jupyter lowercases the names it installs; the private store is named the same.
+    args.name = args.name.lower()
+    try:
+        from jupyter_client.kernelspec import KernelSpecManager
+        import ipykernel  # noqa: F401  (the kernel's base class)
+    except ImportError as exc:
+        print(f"error: {exc.name} is missing: pip install -e '.[jupyter]'", file=sys.stderr)
+        sys.exit(2)
+    config_file = None
+    if args.config:
+        from kernel import config as config_mod
+        config_file = os.path.abspath(args.config)
+        try:
+            config_mod.load(config_file)
+        except config_mod.ConfigError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            sys.exit(2)
+    import ipykernel.kernelspec
+    with tempfile.TemporaryDirectory() as folder:
+        with open(os.path.join(folder, "kernel.json"), "w") as f:
+            json.dump(spec(args.name, config_file), f, indent=1)
+        logos = os.path.join(os.path.dirname(ipykernel.kernelspec.__file__), "resources")
+        for logo in ("logo-32x32.png", "logo-64x64.png"):
+            if os.path.exists(os.path.join(logos, logo)):
+                shutil.copy(os.path.join(logos, logo), folder)
+        try:
+            path = KernelSpecManager().install_kernel_spec(
+                folder, args.name, user=args.user, prefix=args.prefix)
+        except OSError as exc:
+            print(f"error: cannot install the kernelspec: {exc} (try --user)", file=sys.stderr)
+            sys.exit(2)
+    print(f"installed kernelspec {args.name!r} in {path}")

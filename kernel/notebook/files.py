@@ -1,0 +1,69 @@
+"""Files a run writes: staged beside their destination, then renamed into place.
+
+A staged file is complete and on disk before it gets its final name, so a
+reader of the destination sees the old file, or none, or the whole new one,
+never a half-written one, whatever happens to the run in between.
+"""
+
+import hashlib
+import os
+import tempfile
+
+
+def sha256_file(path):
+    """Hex SHA-256 of a file's bytes."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def stage(dest, data):
+    """Write `data` (bytes) to a new hidden file beside `dest`; returns its path.
+
+    Its mode is what open() would have given `dest` (mkstemp makes 0600).
+    """
+    folder = os.path.dirname(os.path.abspath(dest))
+    fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(dest)}.", suffix=".tmp",
+                               dir=folder)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        mask = os.umask(0)
+        os.umask(mask)
+        os.chmod(tmp, 0o666 & ~mask)
+    except BaseException:
+        discard(tmp)
+        raise
+    return tmp
+
+
+def promote(tmp, dest, overwrite):
+    """Give the staged file `tmp` its name `dest`.
+
+    Without `overwrite`, FileExistsError if `dest` exists, even if it appeared
+    after the run started: a hard link never replaces a file.
+    """
+    if overwrite:
+        os.replace(tmp, dest)
+    else:
+        try:
+            os.link(tmp, dest)
+        finally:
+            discard(tmp)
+    folder = os.open(os.path.dirname(os.path.abspath(dest)), os.O_RDONLY)
+    try:
+        os.fsync(folder)  # the new name is on disk too
+    finally:
+        os.close(folder)
+
+
+def discard(tmp):
+    """Remove a staged file (if it is still there)."""
+    try:
+        os.unlink(tmp)
+    except FileNotFoundError:
+        pass

@@ -1,0 +1,464 @@
+"""Fresh runs: every code cell from scratch, in a new interpreter, within limits.
+
+A fresh run starts machinery of its own: a Registry (kernel/server/) on a
+temporary store, whose pool spawns a brand-new zygote interpreter in the
+run's explicit environment and working directory (kernel/notebook/
+environment.py). No warm zygote (of third-party modules, only the kernel's
+own, such as lmdb and cloudpickle, are imported before the notebook imports
+anything), no spare children, one live state at a time. The code cells
+run in order, each from the state the previous one made, starting from the
+empty `initial`; in practice all of them in one process, the child that
+ran the first cell (kernel/server/pool.py: the child that made a state
+takes its next cell).
+
+The caller's thread watches while a thread of the run's own executes the
+cells: the whole-run deadline (SIGINT to the running cell, SIGKILL to
+everything after interrupt_grace_s), the memory fuse (the summed Pss of the
+run's processes, polled: kills at once), and the processes the run started
+(kernel/notebook/processes.py), which it kills and reaps at the end,
+whatever happened, within the cleanup allowance. The output retained for the
+whole run is bounded by max_output_bytes: the worker cuts one cell's output
+at that size as it writes (display.max_output_bytes), and the run fails as
+soon as a cell's outputs would take the total past it.
+
+A run fails with exactly one category (kernel/notebook/receipt.py
+CATEGORIES); receipt.build turns the run into its receipt.
+"""
+
+import dataclasses
+import datetime
+import hashlib
+import json
+import linecache
+import math
+import os
+import re
+import shutil
+import subprocess
+import tempfile
+import threading
+import time
+
+from kernel import protocol
+from kernel.notebook import environment, processes
+from kernel.protocol import ExecuteAnswer
+from kernel.server.pool import zygote_env
+from kernel.server.registry import Registry
+from storage.store import Store, StoreError
+
+SKIP_TAGS = ("no-execute", "skip-execution")
+MAX_CLEANUP_S = 30
+_SHA256 = re.compile(r"[0-9a-f]{64}\Z")
+# Seconds the cells' thread gets to notice its processes were killed before the run
+# stops waiting for it (a thread blocked in a kernel's start is left behind).
+_JOIN_AFTER_KILL_S = 1.0
+
+# Error names of a cell's answer that have a category of their own (others: CELL_ERROR).
+_CATEGORY_OF_ENAME = {"Timeout": "CELL_TIMEOUT", "WorkerDied": "WORKER_DIED",
+                      "WorkerStartFailed": "WORKER_DIED", "MemoryLimit": "MEMORY_FUSE"}
+
+
+class Refused(Exception):
+    """The run cannot start: `category` and a message saying why."""
+
+    def __init__(self, category, message):
+        """Keep the category."""
+        super().__init__(message)
+        self.category = category
+
+
+@dataclasses.dataclass
+class Limits:
+    """The limits of one run (config.toml [fresh], overridden per run)."""
+    timeout_s: float
+    cell_timeout_s: float
+    max_output_bytes: int
+    max_code_cells: int
+    memory_fuse_mb: int
+    cleanup_s: float
+
+    @classmethod
+    def of(cls, settings, timeout_s=None, cell_timeout_s=None):
+        """The limits in `settings`, with the per-run deadline and cell timeout if given;
+        Refused(BAD_INPUT) naming a value out of range."""
+        limits = cls(
+            timeout_s=settings["fresh.timeout_s"] if timeout_s is None else timeout_s,
+            cell_timeout_s=(settings["fresh.cell_timeout_s"] if cell_timeout_s is None
+                            else cell_timeout_s),
+            max_output_bytes=settings["fresh.max_output_bytes"],
+            max_code_cells=settings["fresh.max_code_cells"],
+            memory_fuse_mb=settings["fresh.memory_fuse_mb"],
+            cleanup_s=settings["fresh.cleanup_s"])
+        if not all(math.isfinite(v) for v in (limits.timeout_s, limits.cell_timeout_s)):
+            raise Refused("BAD_INPUT", "the timeouts must be finite numbers of seconds")
+        if not limits.timeout_s > 0:
+            raise Refused("BAD_INPUT", f"the run's timeout must be more than 0 s, "
+                                       f"not {limits.timeout_s}")
+        if not limits.cell_timeout_s >= 0:
+            raise Refused("BAD_INPUT", f"the cell timeout must be 0 (none) or more, "
+                                       f"not {limits.cell_timeout_s}")
+        if not 0 < limits.cleanup_s <= MAX_CLEANUP_S:
+            raise Refused("BAD_INPUT", f"fresh.cleanup_s must be more than 0 and at most "
+                                       f"{MAX_CLEANUP_S} s, not {limits.cleanup_s}")
+        for name in ("max_output_bytes", "max_code_cells", "memory_fuse_mb"):
+            if getattr(limits, name) <= 0:
+                raise Refused("BAD_INPUT", f"fresh.{name} must be more than 0")
+        return limits
+
+
+@dataclasses.dataclass
+class Cell:
+    """One code cell of the notebook, and what became of it."""
+    index: int  # position among all the notebook's cells
+    id: str
+    source: str
+    skip: bool = False
+    status: str = "not_run"  # receipt.CELL_STATUSES; "running" only while it runs
+    seconds: float = 0.0
+    outputs: list = dataclasses.field(default_factory=list)
+    error: dict | None = None
+    execution_count: int | None = None
+    category: str | None = None
+
+    @property
+    def empty(self):
+        """True when the cell holds nothing but blank lines and comments: running it
+        would prove nothing, so it neither runs nor counts."""
+        return all(not line.strip() or line.lstrip().startswith("#")
+                   for line in self.source.splitlines())
+
+
+def output_size(output):
+    """The bytes an output counts for: its JSON, compact, UTF-8."""
+    return len(json.dumps(output, separators=(",", ":"), ensure_ascii=False).encode(
+        "utf-8", "surrogatepass"))
+
+
+def _now():
+    """The current time as an ISO 8601 UTC string."""
+    return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="milliseconds")
+
+
+class FreshRun:
+    """One fresh run of `cells` (a list of Cell).
+
+    `settings` is the configuration (kernel.config.load); `limits` a Limits;
+    `variables` the names to pass from the caller's environment besides the
+    configured ones (each must be set); `cwd` the working directory;
+    `expected_environment` the environment SHA-256 the kernel must have;
+    `keep_states` a folder that keeps the run's store (None: a temporary one);
+    `adopt_orphans`: make this process a child subreaper, and at the end kill
+    and reap every process below it (only for a process whose only children
+    are the run's: the command line);
+    `on_cell(cell)` is called as each cell ends.
+
+    `run()` never raises for what the notebook does; afterwards `category`
+    (None on success), `message`, `cells`, `kernel`, `output_bytes` and
+    `cleanup` describe the run.
+    """
+
+    def __init__(self, cells, settings, limits=None, variables=(), cwd=None,
+                 expected_environment=None, keep_states=None, adopt_orphans=False,
+                 on_cell=None):
+        """Prepare the run; nothing starts before `run()`."""
+        self.cells = cells
+        self.settings = settings
+        self.limits = limits
+        self.variables = list(variables)
+        self.cwd = cwd
+        self.expected_environment = expected_environment
+        self.keep_states = keep_states
+        self.adopt_orphans = adopt_orphans
+        self.on_cell = on_cell
+        self.category = None
+        self.message = ""
+        self.kernel = None
+        self.env_names = []
+        self.output_bytes = 0
+        self.peak_bytes = 0
+        self.cleanup = {"status": "ok", "seconds": 0.0, "processes_observed": 0,
+                        "processes_left": 0, "files_removed": True}
+        self.started_at = _now()
+        self.ended_at = None
+        self.seconds = 0.0
+        self.lock = threading.Lock()
+        self.stop = None  # (category, message) once the run must end early
+        self.abandoned = False  # the cells' thread is no longer waited for
+        self.registry = None
+        self.tracker = None
+        self.running_exec = None
+
+    @property
+    def success(self):
+        """True when the run ended without a failure category."""
+        return self.ended_at is not None and self.category is None
+
+    def refuse(self, category, message):
+        """Fail the run before it starts (the first refusal wins)."""
+        if self.category is None:
+            self.category, self.message = category, message
+
+    def run(self):
+        """Run the notebook, then clean up; returns self."""
+        start = time.monotonic()
+        if self.category is None:
+            try:
+                self._check_input()
+            except Refused as exc:
+                self.refuse(exc.category, str(exc))
+        if self.category is None:
+            workdir = tempfile.mkdtemp(prefix="snapk-fresh-")
+            try:
+                self._run(workdir, start + self.limits.timeout_s)
+            except Refused as exc:
+                self.refuse(exc.category, str(exc))
+            finally:
+                self._clean_up(workdir)
+        self.ended_at = _now()
+        self.seconds = round(time.monotonic() - start, 3)
+        return self
+
+    # Before anything starts ------------------------------------------------------
+
+    def _check_input(self):
+        """Refused(BAD_INPUT) for a problem of the request itself."""
+        if self.limits is None:
+            self.limits = Limits.of(self.settings)
+        if not self.settings["fresh.poll_s"] > 0:
+            raise Refused("BAD_INPUT", "fresh.poll_s must be more than 0")
+        if self.cwd is not None and not os.path.isdir(self.cwd):
+            raise Refused("BAD_INPUT", f"the working directory {self.cwd} is not a folder")
+        expected = self.expected_environment
+        if expected is not None and not _SHA256.match(expected):
+            self.expected_environment = None  # the receipt's field holds a hash or null
+            raise Refused("BAD_INPUT", "the expected environment must be a SHA-256 in hex "
+                                       "(64 characters 0-9a-f)")
+        if self.keep_states is not None and os.path.exists(self.keep_states) and \
+                (not os.path.isdir(self.keep_states) or os.listdir(self.keep_states)):
+            raise Refused("BAD_INPUT", f"{self.keep_states} must be a new or empty folder "
+                                       f"to keep the run's states in")
+
+    def _check_cells(self):
+        """Refused for a notebook that cannot succeed, before any cell runs."""
+        if len(self.cells) > self.limits.max_code_cells:
+            raise Refused("TOO_MANY_CELLS", f"the notebook has {len(self.cells)} code cells, "
+                                            f"more than max_code_cells = "
+                                            f"{self.limits.max_code_cells}")
+        for cell in self.cells:
+            if cell.skip:
+                cell.status = "skipped"
+            elif cell.empty:
+                cell.status = "empty"
+        statuses = {c.status for c in self.cells}
+        if statuses <= {"empty"}:
+            raise Refused("NO_CODE", "the notebook has no code to run (its code cells, if "
+                                     "any, are empty or only comments)")
+        if "not_run" not in statuses:
+            raise Refused("ALL_SKIPPED", "every code cell with code is tagged "
+                                         f"{' or '.join(SKIP_TAGS)}: nothing would run")
+        # Syntax is checked for every cell before any runs: a run that cannot succeed
+        # has no side effects.
+        from kernel.worker.runner import compile_cell
+        for cell in self.cells:
+            if cell.status != "not_run":
+                continue
+            compiled = compile_cell(cell.source, 0)
+            linecache.cache.pop(compiled.filename, None)
+            if compiled.error is not None:
+                cell.status, cell.category = "failed", "SYNTAX_ERROR"
+                cell.error = compiled.error
+                raise Refused("SYNTAX_ERROR", f"{_name(cell)} does not compile: "
+                                              f"{compiled.error['ename']}")
+
+    # The run -----------------------------------------------------------------
+
+    def _run(self, workdir, deadline):
+        """Check, start the kernel, run the cells while watching them."""
+        try:
+            env = environment.explicit(os.path.join(workdir, "home"),
+                                       os.path.join(workdir, "tmp"),
+                                       self.settings["fresh.env"], self.variables)
+        except environment.EnvironmentRefused as exc:
+            raise Refused("BAD_INPUT", str(exc)) from None
+        self.env_names = sorted(env)
+        cwd = self.cwd or os.path.join(workdir, "home")
+        try:
+            self.kernel = environment.kernel_identity(zygote_env(env), cwd,
+                                                      deadline - time.monotonic())
+        except subprocess.TimeoutExpired:
+            raise Refused("RUN_TIMEOUT", "the deadline passed while the kernel's environment "
+                                         "was measured") from None
+        except environment.ProbeFailed as exc:
+            raise Refused("WORKER_DIED", str(exc)) from None
+        expected = self.expected_environment
+        if expected is not None and expected != self.kernel["environment_sha256"]:
+            raise Refused("ENVIRONMENT_MISMATCH",
+                          f"the kernel's environment is {self.kernel['environment_sha256']}, "
+                          f"not the expected {expected}")
+        self._check_cells()
+        if self.adopt_orphans:
+            from kernel.worker.process import PR_SET_CHILD_SUBREAPER, prctl
+            prctl(PR_SET_CHILD_SUBREAPER, 1)
+        data_dir = self.keep_states or os.path.join(workdir, "store")
+        overrides = {
+            "server.data_dir": os.path.abspath(data_dir),
+            "store.durability": "async",  # a temporary store: no flush per cell
+            "workers.warm_zygote": False,
+            "workers.spare_children": 0,
+            "workers.max_live_states": 1,
+            "limits.cell_timeout_s": float(self.limits.cell_timeout_s),
+            "display.max_output_bytes": min(self.settings["display.max_output_bytes"],
+                                            self.limits.max_output_bytes),
+        }
+        try:
+            self.registry = Registry(dict(self.settings, **overrides), env=env, cwd=cwd)
+        except (StoreError, OSError) as exc:
+            raise Refused("WORKER_DIED", f"the run's kernel could not start: {exc}") from None
+        self.tracker = processes.Tracker(self.registry.pool.zygote_proc.pid)
+        worker = threading.Thread(target=self._execute_all, name="fresh-cells", daemon=True)
+        worker.start()
+        self._watch(worker, deadline)
+
+    def _execute_all(self):
+        """The cells' thread: each cell from the state the previous one made."""
+        state = "initial"
+        for cell in self.cells:
+            with self.lock:
+                if self.stop or self.abandoned or cell.status != "not_run":
+                    if cell.status != "not_run" and self.on_cell:
+                        self.on_cell(cell)
+                    continue
+                cell.status = "running"
+                self.running_exec = f"fresh-{cell.index}"
+            started = time.monotonic()
+            try:
+                answer = self.registry.execute(cell.source, self.running_exec, state, cell.id)
+            except Exception as exc:  # the machinery failed (the store, a worker's start)
+                answer = ExecuteAnswer.failed(protocol.error(
+                    "WorkerDied", f"{type(exc).__name__}: {exc}"))
+            with self.lock:
+                if self.abandoned:
+                    return
+                cell.seconds = round(time.monotonic() - started, 3)
+                self._record(cell, answer)
+                self.running_exec = None
+            if self.on_cell:
+                self.on_cell(cell)
+            if cell.status == "failed":
+                with self.lock:
+                    self._halt(cell.category, f"{_name(cell)} failed: {cell.error['ename']}")
+                continue
+            state = answer.state_name
+
+    def _record(self, cell, answer):
+        """Keep a cell's answer: its outputs within the run's budget, its status."""
+        cell.execution_count = answer.execution_count
+        for output in answer.output:
+            size = output_size(output)
+            if self.output_bytes + size > self.limits.max_output_bytes:
+                self._halt("OUTPUT_LIMIT", f"the outputs went past max_output_bytes = "
+                                           f"{self.limits.max_output_bytes}")
+                break
+            cell.outputs.append(output)
+            self.output_bytes += size
+        error = answer.error
+        if error is None and self.stop and self.stop[0] == "OUTPUT_LIMIT":
+            error = protocol.error("OutputLimit", self.stop[1])
+        if error is None:
+            cell.status = "ran"
+            return
+        cell.status, cell.error = "failed", error
+        cell.category = self.stop[0] if self.stop else _CATEGORY_OF_ENAME.get(
+            error["ename"], "CELL_ERROR")
+
+    def _halt(self, category, message):
+        """End the run early with `category` (the first reason wins; lock held)."""
+        if self.stop is None:
+            self.stop = (category, message)
+
+    def _watch(self, worker, deadline):
+        """Wait for the cells' thread, enforcing the deadline and the memory fuse."""
+        grace = self.settings["workers.interrupt_grace_s"]
+        fuse = self.limits.memory_fuse_mb * 2 ** 20
+        kill_at = None
+        while True:
+            worker.join(self.settings["fresh.poll_s"])
+            if not worker.is_alive():
+                break
+            memory = self.tracker.sample()
+            now = time.monotonic()
+            with self.lock:
+                if memory > fuse:
+                    self._halt("MEMORY_FUSE", f"the run's processes used more than "
+                                              f"memory_fuse_mb = {self.limits.memory_fuse_mb} "
+                                              f"MiB")
+                    kill_at = now
+                elif now > deadline and kill_at is None:
+                    self._halt("RUN_TIMEOUT", f"the run took longer than its deadline of "
+                                              f"{self.limits.timeout_s} s")
+                    exec_id = self.running_exec
+                    # The supervisor kills an interrupted cell after the grace period;
+                    # anything else (a kernel still starting) is killed at once.
+                    interrupted = exec_id is not None and self.registry.interrupt(exec_id)
+                    kill_at = now + grace + 1 if interrupted else now
+            if kill_at is not None and now >= kill_at:
+                self.tracker.kill_all(now + self.limits.cleanup_s)
+                worker.join(_JOIN_AFTER_KILL_S)
+                break
+        self.tracker.sample()  # a run shorter than a poll is observed at least once
+        self.peak_bytes = self.tracker.peak_bytes
+        with self.lock:
+            self.abandoned = True
+            for cell in self.cells:
+                if cell.status == "running":
+                    cell.status = "failed"
+                    cell.category = self.stop[0] if self.stop else "WORKER_DIED"
+                    cell.error = protocol.error(cell.category, self.stop[1] if self.stop
+                                                else "the cell did not finish")
+            if self.stop:
+                self.category, self.message = self.stop
+
+    # Cleanup -------------------------------------------------------------------
+
+    def _clean_up(self, workdir):
+        """Kill and reap every process the run started, remove its files; within the
+        cleanup allowance. A failure here is CLEANUP_FAILED if nothing failed before."""
+        start = time.monotonic()
+        deadline = start + self.limits.cleanup_s
+        left = set()
+        if self.registry is not None:
+            self.tracker.kill_all(deadline)
+            self.registry.close()  # kills the zygote (the subreaper) and waits for it
+            Store.release(self.registry.settings["server.data_dir"])
+            if self.adopt_orphans:
+                # Anything that escaped the zygote reached this process, a subreaper.
+                processes.Tracker(os.getpid()).kill_all(deadline)
+            while True:
+                left = self.tracker.alive()
+                if not left or time.monotonic() > deadline:
+                    break
+                time.sleep(0.01)
+        shutil.rmtree(workdir, ignore_errors=True)
+        removed = not os.path.exists(workdir)
+        self.cleanup = {
+            "status": "ok" if removed and not left else "failed",
+            "seconds": round(time.monotonic() - start, 3),
+            "processes_observed": len(self.tracker.seen) if self.tracker else 0,
+            "processes_left": len(left),
+            "files_removed": removed}
+        if self.cleanup["status"] == "failed":
+            what = f"{len(left)} process(es) still alive" if left else \
+                f"the run's temporary folder {workdir} could not be removed"
+            self.refuse("CLEANUP_FAILED", f"cleanup failed: {what}")
+
+
+def _name(cell):
+    """How messages name a cell."""
+    return f"cell {cell.index} (id {cell.id})"
+
+
+def source_digest(cells):
+    """SHA-256 of a notebook given as cells (the API): over their ids, sources and tags."""
+    canonical = json.dumps([{"id": c.id, "source": c.source, "skip": c.skip} for c in cells],
+                           sort_keys=True, ensure_ascii=False)
+    return hashlib.sha256(canonical.encode("utf-8", "surrogatepass")).hexdigest()

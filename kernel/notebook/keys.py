@@ -1,0 +1,92 @@
+"""Cell keys: what a cell's result is stored under.
+
+A key is SHA-256 over the cell's source, the interpreter (implementation,
+version, build), the digest of the installed distributions when the cell
+imports a module outside the standard library, and, for every name the
+cell needs, the key of the cell whose state gives it (so the keys of its
+inputs). Not its position: moving a cell changes no key unless it changes
+what the cell reads, and an import added to another cell changes only that
+cell's key.
+"""
+
+import hashlib
+import importlib.metadata
+import json
+import os
+import platform
+import sys
+import threading
+
+INTERPRETER = " ".join([platform.python_implementation(), sys.version,
+                        f"hexversion {sys.hexversion:x}", sys.platform])
+
+
+def _sha(text):
+    """Hex SHA-256 of a string."""
+    return hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest()
+
+
+def imports_third_party(analysis):
+    """True when the cell imports (or may import) a module outside the standard library."""
+    if analysis.unknown_imports:
+        return True
+    return any(m.startswith(".") or m.split(".")[0] not in sys.stdlib_module_names
+               for m in analysis.imports)
+
+
+class Environment:
+    """The digest of the installed distributions (sorted name==version).
+
+    Reading every distribution's metadata takes tens of milliseconds, so
+    the digest is kept until a folder on sys.path changes: installing,
+    upgrading or removing a distribution adds or removes a *.dist-info
+    folder there, which changes the folder's modification time.
+    """
+
+    def __init__(self, path=None):
+        """Watch `path` (default: sys.path) for installs."""
+        self.path = list(path if path is not None else sys.path)
+        self.lock = threading.Lock()
+        self.stamp = self.value = None
+
+    def _stamp(self):
+        """Modification times of the folders distributions are found in."""
+        stamp = []
+        for entry in self.path:
+            try:
+                stamp.append((entry, os.stat(entry or ".").st_mtime_ns))
+            except OSError:
+                stamp.append((entry, None))
+        return stamp
+
+    def digest(self):
+        """The current digest (recomputed only after a folder on the path changed)."""
+        with self.lock:
+            stamp = self._stamp()
+            if stamp != self.stamp:
+                found = set()
+                for dist in importlib.metadata.distributions(path=self.path):
+                    name = (dist.metadata["Name"] or "").lower().replace("_", "-")
+                    if name:
+                        found.add(f"{name}=={dist.version}")
+                self.value = _sha("\n".join(sorted(found)))
+                self.stamp = stamp
+            return self.value
+
+
+def cell_key(source, analysis, needs, input_keys, environment):
+    """The key of a cell.
+
+    `needs` maps each name it needs to the key of the cell whose state gives
+    it (None: no cell does), `input_keys` are the keys of its inputs and
+    `environment` is the Environment.
+    """
+    parts = {"source": source, "interpreter": INTERPRETER,
+             "environment": environment.digest() if imports_third_party(analysis) else None,
+             "needs": sorted(needs.items()), "inputs": sorted(set(input_keys))}
+    return _sha(json.dumps(parts, sort_keys=True))
+
+
+def composition_key(sources):
+    """The key of a state composed of names from other results ({name: key or None})."""
+    return _sha(json.dumps({"compose": sorted(sources.items()), "interpreter": INTERPRETER}))

@@ -1,0 +1,86 @@
+"""Libraries set up as in Jupyter, as soon as they are imported.
+
+pandas gets Jupyter's display limits (display.max_rows, max_columns,
+max_colwidth), matplotlib the inline backend, IPython the private shell
+that `IPython.display` functions publish through. A worker does not
+import them before its first cell (a cold worker should start at once):
+`watch_imports` sets each up right after a cell, or a restore, first
+imports it.
+"""
+
+import contextlib
+import importlib.abc
+import importlib.util
+import sys
+
+from kernel.worker.capture import collector, figures, shell
+
+_pandas_done = set()
+
+
+def configure_pandas(settings):
+    """Apply Jupyter's pandas display limits, from the display.* settings.
+
+    Outside a cell (`settings` None) there is nothing to apply yet: the
+    next cell's capture does it.
+    """
+    pd = sys.modules.get("pandas")
+    if settings is None or pd is None or not hasattr(pd, "set_option"):
+        return
+    limits = {key: settings[key] for key in
+              ("display.max_rows", "display.max_columns", "display.max_colwidth")}
+    done = (id(pd), *limits.values())
+    if done in _pandas_done:
+        return
+    with contextlib.suppress(Exception):
+        for key, value in limits.items():
+            pd.set_option(key, value)
+        _pandas_done.clear()
+        _pandas_done.add(done)
+
+
+class _AfterImport(importlib.abc.MetaPathFinder):
+    """Runs `then` right after module `name` is first imported, then leaves sys.meta_path."""
+
+    def __init__(self, name, then):
+        """Wait for `name`."""
+        self.name = name
+        self.then = then
+
+    def find_spec(self, fullname, path=None, target=None):
+        """Find `name` with the other finders and wrap its loader's exec_module."""
+        if fullname != self.name:
+            return None
+        with contextlib.suppress(ValueError):
+            sys.meta_path.remove(self)
+        spec = importlib.util.find_spec(fullname)
+        loader = spec.loader if spec is not None else None
+        if loader is None or isinstance(loader, type) or not hasattr(loader, "exec_module"):
+            return spec  # a loader shared by many modules: leave it alone
+        run = loader.exec_module
+
+        def exec_module(module):
+            """Run the module, then `then`."""
+            run(module)
+            self.then()
+
+        loader.exec_module = exec_module
+        return spec
+
+
+# What a worker needs as soon as these are imported.
+_ON_IMPORT = {
+    "pandas": lambda: configure_pandas(collector.running_settings()),
+    "matplotlib": lambda: figures.prepare_matplotlib(collector.running_settings()),
+    "IPython": lambda: shell.get_shell(),
+}
+
+
+def watch_imports():
+    """Once per worker process, before any cell: set each library up now if imported
+    already, else right after it is first imported."""
+    for name, then in _ON_IMPORT.items():
+        if name in sys.modules:
+            then()
+        else:
+            sys.meta_path.insert(0, _AfterImport(name, then))

@@ -1,0 +1,116 @@
+"""Cell results and notebook records, in the store's `notebooks` database.
+
+Two kinds of entries, by key prefix:
+
+- `result/<cell key>`: what running a cell with that key gave (the name of
+  its state, its outputs and execution count, its volatile names, the
+  provenance of its state's names). Shared by every notebook: a cell with
+  the same key anywhere reuses it.
+- `notebook/<name>`: the record of a notebook's last run (per cell its
+  key and status; outputs only for cells without a stored result).
+
+Values are zstd-compressed JSON, as manifests are. Each write is one
+transaction. Nothing here runs user code.
+"""
+
+import lmdb
+
+from storage.store import StoreFull, decode_manifest, encode_manifest
+
+DB = b"notebooks"
+_RESULT = b"result/"
+_NOTEBOOK = b"notebook/"
+
+
+class NotebookStore:
+    """The results and notebook records of one Store."""
+
+    def __init__(self, store):
+        """Open (creating if the store is writable) the `notebooks` database."""
+        self.store = store
+        try:
+            self.db = store.env.open_db(DB, create=not store.readonly)
+        except lmdb.NotFoundError:  # a read-only store that never ran a notebook
+            self.db = None
+
+    def _get(self, keys):
+        """{key: decoded value} of the present keys (bytes)."""
+        if self.db is None:
+            return {}
+        found = {}
+        with self.store.env.begin(db=self.db) as txn:
+            for key in keys:
+                raw = txn.get(key)
+                if raw is not None:
+                    found[key] = decode_manifest(raw)
+        return found
+
+    def _scan(self, prefix):
+        """{key without prefix (str): decoded value} of every entry under `prefix`."""
+        if self.db is None:
+            return {}
+        found = {}
+        with self.store.env.begin(db=self.db) as txn:
+            cursor = txn.cursor()
+            if cursor.set_range(prefix):
+                for key, raw in cursor:
+                    if not key.startswith(prefix):
+                        break
+                    found[key[len(prefix):].decode("utf-8", "surrogateescape")] = \
+                        decode_manifest(raw)
+        return found
+
+    def _write(self, puts=(), deletes=()):
+        """Put and delete entries in one transaction; StoreFull when the map is full."""
+        try:
+            with self.store.env.begin(db=self.db, write=True) as txn:
+                for key, value in puts:
+                    txn.put(key, encode_manifest(value))
+                for key in deletes:
+                    txn.delete(key)
+        except lmdb.MapFullError:
+            raise StoreFull(f"the store at {self.store.path} is full (max_store_gb); run "
+                            f"scripts/gc_states.py, or raise the limit") from None
+
+    # Results -----------------------------------------------------------------
+
+    def results(self, keys):
+        """{cell key: result} of the stored ones among `keys`."""
+        found = self._get(_RESULT + k.encode() for k in keys)
+        return {k[len(_RESULT):].decode(): v for k, v in found.items()}
+
+    def all_results(self):
+        """{cell key: result} of every stored result."""
+        return self._scan(_RESULT)
+
+    def put_result(self, key, result):
+        """Store a cell's result under its key (replacing an earlier one)."""
+        self._write(puts=[(_RESULT + key.encode(), result)])
+
+    def delete_results(self, keys):
+        """Forget results (their states are the caller's to delete)."""
+        self._write(deletes=[_RESULT + k.encode() for k in keys])
+
+    # Notebook records ----------------------------------------------------------
+
+    def record(self, name):
+        """The record of notebook `name`'s last run, or None."""
+        key = _NOTEBOOK + name.encode("utf-8", "surrogateescape")
+        return self._get([key]).get(key)
+
+    def records(self):
+        """{notebook name: record} of every notebook."""
+        return self._scan(_NOTEBOOK)
+
+    def put_record(self, name, record):
+        """Store the record of a notebook's last run."""
+        self._write(puts=[(_NOTEBOOK + name.encode("utf-8", "surrogateescape"), record)])
+
+    def delete_records(self, names):
+        """Forget notebooks' records."""
+        self._write(deletes=[_NOTEBOOK + n.encode("utf-8", "surrogateescape") for n in names])
+
+    def clear(self):
+        """Forget every result and record."""
+        with self.store.env.begin(write=True) as txn:
+            txn.drop(self.db, delete=False)

@@ -1,0 +1,428 @@
+"""The Jupyter kernel (kernel/jupyter/) through its installed kernelspec.
+
+Every test starts real kernels with jupyter_client (or nbclient, papermill,
+JupyterLab in Chromium) from a kernelspec that `python main.py
+install-kernelspec` installed into a temporary Jupyter data directory. The
+kernels share the server they start on that kernelspec's private store.
+"""
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import nbformat
+import psutil
+import pytest
+import requests
+
+from conftest import ROOT, free_port
+from test_fidelity import NOTEBOOKS, compare_notebook, run_in_jupyter, run_on_server
+
+pytest.importorskip("ipykernel")
+jupyter_client = pytest.importorskip("jupyter_client")
+
+SPEC = "snapshot-test"
+IDLE_S = 3.0  # jupyter.server_idle_s of the test kernelspec
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory):
+    """A Jupyter data directory with the test kernelspec installed (for the whole module)."""
+    path = tmp_path_factory.mktemp("jupyter-data")
+    config = path / "kernel-config.toml"
+    config.write_text(f"[jupyter]\nserver_idle_s = {IDLE_S}\n"
+                      # A loaded machine must not turn a slow completion into none.
+                      "introspect_timeout_s = 60.0\n")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("JUPYTER_DATA_DIR", str(path))
+        done = subprocess.run([sys.executable, "main.py", "install-kernelspec", "--user",
+                               "--name", SPEC, "--config", str(config)],
+                              cwd=ROOT, capture_output=True, text=True)
+        assert done.returncode == 0, done.stderr
+        yield path
+        stop_server(path)
+
+
+def private_folder(data_dir):
+    """The test kernelspec's store, sessions and server.json."""
+    return data_dir / "snapshot-kernel" / SPEC
+
+
+def server_info(data_dir):
+    """server.json of the running server, or None."""
+    try:
+        return json.loads((private_folder(data_dir) / "server.json").read_text())
+    except FileNotFoundError:
+        return None
+
+
+def wait_for(condition, timeout=60, what="condition"):
+    """Wait until condition() is true."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.05)
+
+
+def stop_server(data_dir):
+    """SIGTERM the supervisor of the kernelspec's server and wait until both are gone."""
+    info = server_info(data_dir)
+    if info is None or not psutil.pid_exists(info["pid"]):
+        return
+    processes = [psutil.Process(info["pid"])]
+    processes += processes[0].children(recursive=True)
+    processes[0].send_signal(signal.SIGTERM)
+    psutil.wait_procs(processes, timeout=60)
+
+
+class Kernel:
+    """A kernel of the test kernelspec, started by jupyter_client, and a blocking client."""
+
+    def __init__(self, env=None, cwd=None):
+        """Start the kernel and wait until it answers."""
+        self.manager = jupyter_client.KernelManager(kernel_name=SPEC)
+        self.manager.start_kernel(env={**os.environ, **(env or {})}, cwd=cwd or ROOT)
+        self.client = self.manager.client()
+        self.client.start_channels()
+        self.client.wait_for_ready(timeout=120)
+
+    def run(self, code, timeout=120):
+        """Execute `code`: (the execute_reply content, its outputs as iopub contents)."""
+        outputs = []
+
+        def hook(msg):
+            """Keep the cell's outputs."""
+            if msg["msg_type"] in ("stream", "display_data", "update_display_data",
+                                   "execute_result", "error", "clear_output"):
+                outputs.append(dict(msg["content"], msg_type=msg["msg_type"]))
+
+        reply = self.client.execute_interactive(code, output_hook=hook, timeout=timeout)
+        return reply["content"], outputs
+
+    def value(self, expr):
+        """The text/plain of `expr` in the session's head."""
+        content, outputs = self.run(expr)
+        assert content["status"] == "ok", content
+        results = [o for o in outputs if o["msg_type"] == "execute_result"]
+        return results[-1]["data"]["text/plain"]
+
+    def text(self, code):
+        """The stdout of a successful cell."""
+        content, outputs = self.run(code)
+        assert content["status"] == "ok", content
+        return "".join(o["text"] for o in outputs if o["msg_type"] == "stream")
+
+    def restart(self):
+        """Restart the kernel process (a new process; the same connection file)."""
+        pid = self.manager.provisioner.process.pid
+        self.manager.restart_kernel(now=False)
+        self.client.wait_for_ready(timeout=120)
+        assert self.manager.provisioner.process.pid != pid
+
+    def stop(self):
+        """Shut the kernel down."""
+        self.client.stop_channels()
+        self.manager.shutdown_kernel(now=False)
+
+
+@pytest.fixture
+def kernel(data_dir):
+    """A running kernel of the test kernelspec (shut down after the test)."""
+    k = Kernel()
+    yield k
+    k.stop()
+
+
+def test_install_kernelspec(data_dir):
+    """The CLI installs a kernelspec with message interrupts; bad input exits 2 with a message."""
+    spec = json.loads((data_dir / "kernels" / SPEC / "kernel.json").read_text())
+    assert spec["display_name"] == f"Python (snapshot: {SPEC})"
+    assert spec["interrupt_mode"] == "message" and spec["language"] == "python"
+    assert spec["argv"][0] == sys.executable and ROOT in spec["argv"]
+    bad = subprocess.run([sys.executable, "main.py", "install-kernelspec", "--user",
+                          "--name", "no spaces"], cwd=ROOT, capture_output=True, text=True)
+    assert bad.returncode == 2 and "kernelspec name" in bad.stderr
+    bad = subprocess.run([sys.executable, "main.py", "install-kernelspec", "--config",
+                          "/nonexistent.toml"], cwd=ROOT, capture_output=True, text=True)
+    assert bad.returncode == 2 and "nonexistent.toml" in bad.stderr
+
+
+def test_kernel_info_and_cells(kernel):
+    """kernel_info names Python; a cell's outputs and execution count reach the client."""
+    info = kernel.client.kernel_info(reply=True)["content"]
+    assert info["language_info"]["name"] == "python"
+    assert info["language_info"]["version"].startswith(f"{sys.version_info[0]}.")
+    assert "%undo" in info["banner"]
+    content, outputs = kernel.run("x = 6 * 7\nprint('x is', x)\nx")
+    assert content["status"] == "ok"
+    # The printed line may come in pieces (each as it is written), then the result.
+    assert {o["msg_type"] for o in outputs[:-1]} == {"stream"}
+    assert "".join(o["text"] for o in outputs[:-1]) == "x is 42\n"
+    assert outputs[-1]["msg_type"] == "execute_result"
+    assert outputs[-1]["execution_count"] == content["execution_count"]
+    again, _ = kernel.run("x")
+    assert again["execution_count"] == content["execution_count"] + 1
+
+
+def test_failing_cell_leaves_the_head(kernel):
+    """A cell that raises shows its error and makes no state: the next cell runs on the head."""
+    kernel.run("v = 1")
+    content, outputs = kernel.run("v = 2\n1 / 0")
+    assert content["status"] == "error" and content["ename"] == "ZeroDivisionError"
+    assert [o["msg_type"] for o in outputs] == ["error"]
+    assert any("1 / 0" in line for line in content["traceback"])
+    assert kernel.value("v") == "1"
+
+
+def test_crashing_cell_does_not_end_the_session(kernel):
+    """A segfault or os._exit kills the cell's process, not the session."""
+    kernel.run("kept = 'still here'")
+    content, _ = kernel.run("import ctypes\nctypes.string_at(0)")
+    assert content["status"] == "error" and content["ename"] == "WorkerDied"
+    assert "SIGSEGV" in content["evalue"]
+    content, _ = kernel.run("import os\nos._exit(3)")
+    assert content["status"] == "error" and content["ename"] == "WorkerDied"
+    assert kernel.value("kept") == "'still here'"
+
+
+def test_undo_checkout_branch_session(kernel):
+    """%undo brings back an overwritten value; %checkout, %branch and %session move the head."""
+    first, _ = kernel.run("value = 'first'")
+    kernel.run("value = 'second'")
+    assert "head: cell" in kernel.text("%undo")
+    assert kernel.value("value") == "'first'"
+    states = kernel.text("%states")
+    assert "value = 'first'" in states and "value = 'second'" not in states
+    kernel.run("value = 'third'")
+    kernel.text(f"%checkout {first['execution_count']}")
+    assert kernel.value("value") == "'first'"
+    kernel.run("value = 'on the branch'")
+    original = kernel.text("%session").split("'")[1]
+    assert "new session 'b1'" in kernel.text("%branch b1")
+    kernel.run("only_here = 1")
+    assert kernel.value("value") == "'on the branch'"
+    kernel.text(f"%session {original}")
+    content, _ = kernel.run("only_here")
+    assert content["ename"] == "NameError"
+    assert "new session 'scratch'" in kernel.text("%session scratch")
+    assert kernel.run("value")[0]["ename"] == "NameError"
+    kernel.text("%session b1")
+    assert kernel.value("only_here") == "1"
+    assert kernel.text("%undo 3").startswith("head: cell")
+    # Errors of use: shown as UsageError, and nothing moves.
+    for bad in ("%undo 1000", "%undo x", "%checkout 9999", "%checkout no-such-state",
+                "%branch b1", "%undo\nvalue = 1"):
+        content, _ = kernel.run(bad)
+        assert content["status"] == "error" and content["ename"] == "UsageError", bad
+
+
+def test_interrupt(kernel):
+    """Output reaches the client while the cell runs; an interrupt message then stops the
+    cell through /interrupt, and the session goes on from the head."""
+    kernel.run("before = 1")
+    msg_id = kernel.client.execute("import time\nprint('sleeping', flush=True)\n"
+                                   "time.sleep(120)\nafter = 1")
+    deadline = time.monotonic() + 60
+    while True:
+        msg = kernel.client.get_iopub_msg(timeout=max(0.1, deadline - time.monotonic()))
+        if msg["parent_header"].get("msg_id") == msg_id and msg["msg_type"] == "stream":
+            assert msg["content"]["text"].startswith("sleeping")
+            break
+    started = time.monotonic()
+    kernel.manager.interrupt_kernel()
+    reply = kernel.client.get_shell_msg(timeout=60)
+    assert reply["parent_header"]["msg_id"] == msg_id
+    assert reply["content"]["status"] == "error"
+    assert reply["content"]["ename"] == "KeyboardInterrupt"
+    assert time.monotonic() - started < 30
+    assert kernel.value("before") == "1"
+    assert kernel.run("after")[0]["ename"] == "NameError"
+
+
+def test_completion_and_inspection(kernel):
+    """Completion and inspection see the names of earlier cells, from a worker."""
+    kernel.run("my_variable_xyz = 12\ndisplay = 'a notebook may shadow display'")
+    reply = kernel.client.complete("my_vari", 7, reply=True)["content"]
+    assert reply["status"] == "ok" and "my_variable_xyz" in reply["matches"]
+    assert (reply["cursor_start"], reply["cursor_end"]) == (0, 7)
+    reply = kernel.client.complete("my_variable_xyz.bit_l", 21, reply=True)["content"]
+    assert "my_variable_xyz.bit_length" in reply["matches"]
+    assert kernel.client.complete("_snapk", 6, reply=True)["content"]["matches"] == []
+    reply = kernel.client.inspect("my_variable_xyz", 3, reply=True)["content"]
+    assert reply["found"] and "int" in reply["data"]["text/plain"]
+    assert not kernel.client.inspect("not_defined_here", 3, reply=True)["content"]["found"]
+    kernel.client.is_complete("for i in range(3):")
+    reply = kernel.client.get_shell_msg(timeout=30)["content"]
+    assert reply["status"] == "incomplete"
+
+
+def test_restart_and_server_crash_keep_variables(kernel, data_dir):
+    """A kernel restart resumes the session; so does a server killed with SIGKILL."""
+    kernel.run("import numpy as np\nkept = np.arange(5) * 2\nlabel = 'mine'")
+    kernel.restart()
+    assert kernel.value("label") == "'mine'"
+    supervisor = psutil.Process(server_info(data_dir)["pid"])
+    server = supervisor.children()[0]
+    server.kill()
+    wait_for(lambda: not supervisor.is_running(), what="the supervisor to end with its server")
+    # The next cell finds no server, starts one on the same store, and runs there.
+    assert kernel.value("int(kept.sum()), label") == "(20, 'mine')"
+    assert server_info(data_dir)["pid"] != supervisor.pid
+
+
+def test_attach_to_a_running_server(data_dir, server):
+    """With SNAPSHOT_KERNEL_URL and SNAPSHOT_KERNEL_TOKEN the kernel uses that server."""
+    k = Kernel(env={"SNAPSHOT_KERNEL_URL": server.url, "SNAPSHOT_KERNEL_TOKEN": server.token,
+                    "JPY_SESSION_NAME": "attached/notebook.ipynb"})
+    try:
+        k.run("attached = 'yes'")
+        assert "jupyter/attached/notebook.ipynb/1" in server.get("/states").json()["states"]
+        assert server.value("jupyter/attached/notebook.ipynb/1", "attached") == "'yes'"
+    finally:
+        k.stop()
+
+
+def test_notebooks_match_execute(data_dir, server):
+    """nbclient through the kernelspec shows, cell by cell, what /execute answers."""
+    runs = run_in_jupyter(NOTEBOOKS, kernel_name=SPEC)
+    problems = []
+    for path in NOTEBOOKS:
+        diffs = compare_notebook(runs[path], run_on_server(server))
+        if diffs:
+            problems.append(f"{os.path.basename(path)}:\n" + "\n\n".join(diffs))
+    assert not problems, "\n\n".join(problems)
+
+
+def test_papermill_parameters(data_dir, tmp_path):
+    """papermill runs a parameterized notebook on the kernel."""
+    papermill = pytest.importorskip("papermill")
+    nb = nbformat.v4.new_notebook()
+    nb.metadata.kernelspec = {"name": SPEC, "display_name": "Python (snapshot)",
+                              "language": "python"}
+    nb.cells = [nbformat.v4.new_code_cell("n = 1", metadata={"tags": ["parameters"]}),
+                nbformat.v4.new_code_cell("print('twice n is', 2 * n)")]
+    nbformat.write(nb, tmp_path / "in.ipynb")
+    papermill.execute_notebook(str(tmp_path / "in.ipynb"), str(tmp_path / "out.ipynb"),
+                               parameters={"n": 21}, kernel_name=SPEC, cwd=str(tmp_path),
+                               progress_bar=False)
+    out = nbformat.read(tmp_path / "out.ipynb", as_version=4)
+    texts = [o.get("text", "") for c in out.cells if c.cell_type == "code" for o in c.outputs]
+    assert "twice n is 42\n" in texts
+
+
+def test_server_stops_when_no_kernel_is_left(data_dir):
+    """Once the last kernel is gone for server_idle_s, the supervisor stops the server."""
+    k = Kernel()
+    k.run("1")
+    supervisor = psutil.Process(server_info(data_dir)["pid"])
+    server = supervisor.children()[0]
+    k.stop()
+    psutil.wait_procs([supervisor, server], timeout=IDLE_S + 60)
+    assert not supervisor.is_running() and not server.is_running()
+    assert server_info(data_dir) is None
+
+
+def test_jupyterlab_in_chromium(data_dir, tmp_path):
+    """In JupyterLab in a real browser: run a cell, restart the kernel, read the variable back."""
+    pytest.importorskip("jupyterlab")
+    webdriver = pytest.importorskip("selenium.webdriver")
+    from selenium.webdriver.chrome.service import Service
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.common.keys import Keys
+    chromium, driver = shutil.which("chromium"), shutil.which("chromedriver")
+    if not (chromium and driver):
+        pytest.skip("Debian's chromium and chromium-driver are not installed (.ci/run does it)")
+    root = tmp_path / "notebooks"
+    root.mkdir()
+    nb = nbformat.v4.new_notebook()
+    nb.metadata.kernelspec = {"name": SPEC, "display_name": f"Python (snapshot: {SPEC})",
+                              "language": "python"}
+    nb.cells = [nbformat.v4.new_code_cell("")]
+    nbformat.write(nb, root / "restart.ipynb")
+    port, token = free_port(), "lab-token"
+    log = open(tmp_path / "jupyterlab.log", "wb")
+    lab = subprocess.Popen(
+        [sys.executable, "-m", "jupyterlab", "--no-browser", "--allow-root",
+         "--ServerApp.ip=127.0.0.1", f"--ServerApp.port={port}", "--ServerApp.port_retries=0",
+         f"--IdentityProvider.token={token}", f"--ServerApp.root_dir={root}"],
+        env={**os.environ, "JUPYTER_CONFIG_DIR": str(tmp_path / "config"),
+             "JUPYTER_RUNTIME_DIR": str(tmp_path / "runtime")},
+        stdout=log, stderr=log, stdin=subprocess.DEVNULL)
+    options = webdriver.ChromeOptions()
+    options.binary_location = chromium
+    for arg in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--disable-gpu",
+                "--window-size=1400,900"):
+        options.add_argument(arg)
+    browser = None
+
+    def kernel_pids():
+        """The pids of JupyterLab's running snapshot kernels."""
+        pids = set()
+        for p in psutil.Process(lab.pid).children():
+            try:
+                if "kernel.jupyter.kernel" in " ".join(p.cmdline()):
+                    pids.add(p.pid)
+            except psutil.Error:
+                pass  # a kernel that just exited
+        return pids
+
+    def idle():
+        """True when the status bar shows the notebook's snapshot kernel idle."""
+        return browser.execute_script(
+            "return Array.from(document.querySelectorAll('.jp-StatusBar-TextItem'))"
+            ".some(e => e.textContent === arguments[0])", f"Python (snapshot: {SPEC}) | Idle")
+
+    def run_in_last_cell(code):
+        """Type `code` into the notebook's last cell and run it (Shift+Enter)."""
+        editor = browser.find_elements(By.CSS_SELECTOR, ".jp-Notebook .jp-Cell .cm-content")[-1]
+        editor.click()
+        for i, line in enumerate(code.split("\n")):
+            editor.send_keys(*([Keys.ENTER] if i else []), line)
+        editor.send_keys(Keys.SHIFT, Keys.ENTER)
+
+    def outputs():
+        """The texts of the output areas on the page."""
+        return [e.text for e in browser.find_elements(By.CSS_SELECTOR, ".jp-OutputArea-output")]
+
+    try:
+        wait_for(lambda: lab.poll() is None and _answers(
+            f"http://127.0.0.1:{port}/api/status?token={token}"), what="JupyterLab to start")
+        browser = webdriver.Chrome(service=Service(driver), options=options)
+        browser.get(f"http://127.0.0.1:{port}/lab/tree/restart.ipynb?token={token}")
+        wait_for(idle, timeout=120, what="the notebook's kernel to be idle")
+        run_in_last_cell("answer = 41\nprint('before restart:', answer)")
+        wait_for(lambda: "before restart: 41" in outputs(), what="the first cell's output")
+        before = kernel_pids()
+        browser.find_element(By.CSS_SELECTOR,
+                             'jp-button[data-command="notebook:restart-kernel"]').click()
+        wait_for(lambda: browser.find_elements(By.CSS_SELECTOR, ".jp-Dialog .jp-mod-accept"),
+                 what="the restart dialog")
+        browser.find_element(By.CSS_SELECTOR, ".jp-Dialog .jp-mod-accept").click()
+        wait_for(lambda: kernel_pids() and not kernel_pids() & before,
+                 what="a new kernel process")
+        wait_for(idle, timeout=120, what="the restarted kernel to be idle")
+        run_in_last_cell("print('after restart:', answer + 1)")
+        wait_for(lambda: "after restart: 42" in outputs(), what="the second cell's output")
+    finally:
+        if browser is not None:
+            browser.save_screenshot(str(tmp_path / "jupyterlab.png"))
+            browser.quit()
+        lab.terminate()
+        try:
+            lab.wait(30)
+        except subprocess.TimeoutExpired:
+            lab.kill()  # seen once: JupyterLab did not stop on SIGTERM
+            lab.wait()
+        log.close()
+
+
+def _answers(url):
+    """True when `url` answers 200."""
+    try:
+        return requests.get(url, timeout=5).ok
+    except requests.ConnectionError:
+        return False

@@ -1,0 +1,114 @@
+"""`python main.py run NB.ipynb`: the command, on a real store, with and without a server."""
+
+import os
+import subprocess
+import sys
+
+import nbformat
+
+from conftest import ROOT, TOKEN
+
+
+def notebook(path, *sources):
+    """Write a notebook: a markdown cell, then code cells c0, c1, ... with these sources."""
+    nb = nbformat.v4.new_notebook()
+    nb.cells = [nbformat.v4.new_markdown_cell("# A title")]
+    nb.cells += [nbformat.v4.new_code_cell(src, id=f"c{n}") for n, src in enumerate(sources)]
+    nbformat.write(nb, str(path))
+    return path
+
+
+def run_cli(*args, timeout=300):
+    """`python main.py run ARGS`; the CompletedProcess, text output."""
+    return subprocess.run([sys.executable, "main.py", "run", *map(str, args)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=timeout,
+                          stdin=subprocess.DEVNULL)
+
+
+def code_cells(path):
+    """The code cells of a notebook file (validated)."""
+    nb = nbformat.read(str(path), as_version=4)
+    nbformat.validate(nb)
+    return [c for c in nb.cells if c.cell_type == "code"]
+
+
+def text(cell):
+    """What a cell printed or showed as text."""
+    return "".join(o.get("text", "") or o.get("data", {}).get("text/plain", "")
+                   for o in cell.outputs)
+
+
+def test_run_writes_the_executed_notebook_and_reuses_results(tmp_path):
+    data = tmp_path / "store"
+    src = notebook(tmp_path / "nb.ipynb", "import numpy as np\nx = np.arange(4)",
+                   "print(x.sum())", "x * 2",
+                   "import matplotlib.pyplot as plt\nplt.plot(x)\nplt.show()")
+    out = tmp_path / "out.ipynb"
+    first = run_cli(src, "-o", out, "--data-dir", data)
+    assert first.returncode == 0, first.stderr
+    assert first.stdout == ""
+    lines = first.stderr.splitlines()
+    assert [line.split(" in ")[0] for line in lines[:4]] == [
+        "c0: ran", "c1: ran", "c2: ran", "c3: ran"]
+    cells = code_cells(out)
+    assert [c.execution_count for c in cells] == [1, 2, 3, 4]
+    assert text(cells[1]) == "6\n" and text(cells[2]) == "array([0, 2, 4, 6])"
+    assert any("image/png" in o.get("data", {}) for o in cells[3].outputs)
+    assert nbformat.read(str(out), as_version=4).cells[0].source == "# A title"
+    assert all(not c.outputs for c in code_cells(src))  # -o leaves the source file alone
+    # No -o: the notebook itself gets the outputs; nothing runs again.
+    second = run_cli(src, "--data-dir", data)
+    assert second.returncode == 0, second.stderr
+    assert second.stderr.splitlines()[:4] == ["c0: reused", "c1: reused", "c2: reused",
+                                              "c3: reused"]
+    assert [c.outputs for c in code_cells(src)] == [c.outputs for c in code_cells(out)]
+    # An edited cell and its dependents run; the rest is reused.
+    nb = nbformat.read(str(src), as_version=4)
+    nb.cells[1].source = "import numpy as np\nx = np.arange(5)"
+    nbformat.write(nb, str(src))
+    third = run_cli(src, "--data-dir", data, "--rerun", "c1")
+    assert third.returncode == 0, third.stderr
+    assert [line.split(" in ")[0] for line in third.stderr.splitlines()[:4]] == [
+        "c0: ran", "c1: ran", "c2: ran", "c3: ran"]
+    assert text(code_cells(src)[1]) == "10\n"
+
+
+def test_failures_and_bad_input(tmp_path):
+    data = tmp_path / "store"
+    src = notebook(tmp_path / "fail.ipynb", "a = 1", "b = 1 / 0", "c = a + 1", "d = (")
+    failed = run_cli(src, "--data-dir", data)
+    assert failed.returncode == 1, failed.stderr
+    assert "c1: failed" in failed.stderr and "ZeroDivisionError" in failed.stderr
+    assert "c2: not_run" in failed.stderr and "c3: blocked" in failed.stderr
+    cells = code_cells(src)
+    errors = [o for o in cells[1].outputs if o.output_type == "error"]
+    assert errors and errors[0].ename == "ZeroDivisionError"
+    assert cells[2].execution_count is None and not cells[2].outputs
+    assert cells[3].outputs[0].ename == "SyntaxError"
+    garbage = tmp_path / "garbage.ipynb"
+    garbage.write_text("{not json")
+    for args, words in [((tmp_path / "missing.ipynb",), "cannot read"),
+                        ((garbage,), "is not a Jupyter notebook"),
+                        ((src, "--rerun", "nope"), "'nope'"),
+                        ((src, "--order", "random"), "invalid choice")]:
+        refused = run_cli(*args, "--data-dir", data)
+        assert refused.returncode == 2, (args, refused.stderr)
+        assert words in refused.stderr and "Traceback" not in refused.stderr, refused.stderr
+
+
+def test_a_server_holding_the_store_is_named_and_can_be_gone_through(make_server, tmp_path):
+    data = tmp_path / "store"
+    srv = make_server(data)
+    src = notebook(tmp_path / "served.ipynb", "import os\nn = len(os.sep)", "print(n + 1)")
+    refused = run_cli(src, "--data-dir", data)
+    assert refused.returncode == 2
+    assert f"http://127.0.0.1:{srv.port}" in refused.stderr and "--server" in refused.stderr
+    assert "Traceback" not in refused.stderr
+    through = run_cli(src, "--server", srv.url, "--token", TOKEN)
+    assert through.returncode == 0, through.stderr
+    assert "c1: ran" in through.stderr
+    assert text(code_cells(src)[1]) == "2\n"
+    name = os.path.abspath(src)
+    assert name in srv.get("/notebooks").json()["notebooks"]
+    wrong = run_cli(src, "--server", srv.url, "--token", "wrong")
+    assert wrong.returncode == 2 and "401" in wrong.stderr

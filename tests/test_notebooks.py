@@ -1,0 +1,338 @@
+"""Notebook runs through a real server: POST /notebooks/run and the /notebooks routes.
+
+Results are shared by every notebook of a store (a cell's key depends on
+its source and inputs, not on the notebook), so each test tags its cells'
+sources with its own comment to start from a store that never saw them.
+"""
+
+import itertools
+import threading
+import time
+
+import pytest
+
+_ids = itertools.count()
+
+
+def cells(tag, *sources):
+    """[{id, source}] with ids c0, c1, ... and every source tagged (a comment line)."""
+    return [{"id": f"c{n}", "source": f"{src}\n# {tag}"} for n, src in enumerate(sources)]
+
+
+def run(server, name, notebook_cells, status=200, **fields):
+    """POST /notebooks/run; the answer (asserting the HTTP status)."""
+    r = server.post("/notebooks/run", dict(notebook=name, cells=notebook_cells, **fields))
+    assert r.status_code == status, r.text
+    return r.json()
+
+
+def statuses(answer):
+    """{cell id: status} of a run's answer."""
+    return {c["id"]: c["status"] for c in answer["cells"]}
+
+
+def cell(answer, cell_id):
+    """One cell's entry of a run's answer."""
+    return next(c for c in answer["cells"] if c["id"] == cell_id)
+
+
+def shown(answer, cell_id):
+    """The text a cell printed or showed as its result."""
+    parts = []
+    for out in cell(answer, cell_id)["outputs"]:
+        parts.append(out.get("text") or out.get("data", {}).get("text/plain", ""))
+    return "".join(parts).strip()
+
+
+def test_an_edit_runs_that_cell_and_its_dependents_only(server):
+    nb = cells("edit", "import json\nbase = 2", "x = base * 3", "y = 100",
+               "z = x + 1\nz", "w = y * 2\nprint(w)")
+    first = run(server, "edit", nb)
+    assert set(statuses(first).values()) == {"ran"}
+    assert shown(first, "c3") == "7" and shown(first, "c4") == "200"
+    assert first["order"] == ["c0", "c1", "c2", "c3", "c4"]
+    assert [cell(first, f"c{n}")["execution_count"] for n in range(5)] == [1, 2, 3, 4, 5]
+    nb[1]["source"] = nb[1]["source"].replace("base * 3", "base * 4")
+    second = run(server, "edit", nb)
+    # c2 lies between the edited cell and its reader c3, and does not run.
+    assert statuses(second) == {"c0": "reused", "c1": "ran", "c2": "reused", "c3": "ran",
+                                "c4": "reused"}
+    assert shown(second, "c3") == "9" and shown(second, "c4") == "200"
+    assert cell(second, "c0")["key"] == cell(first, "c0")["key"]
+    assert cell(second, "c1")["key"] != cell(first, "c1")["key"]
+    # Every state named in the answer goes on with /execute, the final one with all names.
+    after = server.execute("print(x, z)", cell(second, "c3")["state_name"])
+    assert after["output"][0]["text"] == "8 9\n"
+    final = server.execute("print(base, x, y, z, w)", second["state_name"])
+    assert final["output"][0]["text"] == "2 8 100 9 200\n"
+
+
+def test_a_second_run_runs_nothing_also_after_a_restart(make_server, tmp_path):
+    data = tmp_path / "store"
+    srv = make_server(data)
+    nb = cells("again", "import numpy as np\nimport math", "a = np.arange(4)",
+               "b = math.pi", "c = a * b\nc.round(2)", "print(c.sum().round(3))")
+    first = run(srv, "again", nb)
+    assert set(statuses(first).values()) == {"ran"}
+    started = time.monotonic()
+    second = run(srv, "again", nb)
+    took = time.monotonic() - started
+    assert set(statuses(second).values()) == {"reused"}
+    assert took < 5, took  # a look-up, not a run (generous: the machine is shared)
+    for n in range(5):
+        assert cell(second, f"c{n}")["outputs"] == cell(first, f"c{n}")["outputs"]
+        assert cell(second, f"c{n}")["execution_count"] == cell(first, f"c{n}")["execution_count"]
+    assert second["state_name"] == first["state_name"]
+    srv.stop()
+    srv = make_server(data)
+    third = run(srv, "again", nb)
+    assert set(statuses(third).values()) == {"reused"}
+    assert shown(third, "c4") == shown(first, "c4") == "18.85"
+    assert srv.execute("print(c.sum().round(3))", third["state_name"])["output"][0]["text"] \
+        == "18.85\n"
+    record = srv.get("/notebooks/again").json()
+    assert record["running"] is False and statuses(record) == statuses(third)
+    assert shown(record, "c3") == shown(first, "c3")
+
+
+def test_moving_a_cell_in_dataflow_order_runs_nothing(server):
+    nb = cells("move", "total = part + 1", "part = 41", "print(total)")
+    first = run(server, "move", nb, order="dataflow")
+    assert first["order"] == ["c1", "c0", "c2"]
+    assert set(statuses(first).values()) == {"ran"} and shown(first, "c2") == "42"
+    moved = [nb[2], nb[0], nb[1]]
+    second = run(server, "move", moved, order="dataflow")
+    assert set(statuses(second).values()) == {"reused"}
+    assert second["order"] == ["c1", "c0", "c2"]
+    assert [c["id"] for c in second["cells"]] == ["c2", "c0", "c1"]
+
+
+@pytest.mark.parametrize("order", ["notebook", "dataflow"])
+def test_an_import_added_in_another_cell_runs_nothing_else(server, order):
+    tag = f"import-{order}"
+    nb = cells(tag, "import math\nr = math.sqrt(16)", "s = r + 1\nprint(s)", "t = 5")
+    run(server, tag, nb, order=order)
+    added = [{"id": "new", "source": f"import numpy as np\n# {tag}"}] + nb
+    answer = run(server, tag, added, order=order)
+    assert statuses(answer) == {"new": "ran", "c0": "reused", "c1": "reused", "c2": "reused"}
+
+
+def test_a_changed_environment_reruns_third_party_importers_and_dependents(
+        make_server, tmp_path, monkeypatch):
+    site = tmp_path / "site"
+    dist = site / "fakepkg-1.0.dist-info"
+    dist.mkdir(parents=True)
+    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: fakepkg\nVersion: 1.0\n")
+    monkeypatch.setenv("PYTHONPATH", str(site))
+    srv = make_server()
+    nb = cells("env", "import json\nj = json.dumps([1, 2])", "import numpy as np\nv = np.ones(3)",
+               "u = v.sum()\nprint(u)", "k = len(j)\nprint(k)", "both = (k, int(u))")
+    assert set(statuses(run(srv, "env", nb)).values()) == {"ran"}
+    assert set(statuses(run(srv, "env", nb)).values()) == {"reused"}
+    upgraded = site / "fakepkg-2.0.dist-info"
+    dist.rename(upgraded)
+    (upgraded / "METADATA").write_text("Metadata-Version: 2.1\nName: fakepkg\nVersion: 2.0\n")
+    answer = run(srv, "env", nb)
+    assert statuses(answer) == {"c0": "reused", "c1": "ran", "c2": "ran", "c3": "reused",
+                                "c4": "ran"}
+
+
+def test_static_errors_in_dataflow_order_name_their_cells_and_names(server):
+    nb = cells("static", "p = q + 1", "q = p + 1", "d1 = 1", "d1 = 2", "f1 = 1", "f1 += 1",
+               "ok = 1\nprint(ok)", "print(d1)", "needs_p = p")
+    answer = run(server, "static", nb, order="dataflow")
+    found = {d["kind"]: d for d in answer["diagnostics"]}
+    assert set(found) == {"cycle", "double_definition", "foreign_assignment"}
+    assert found["cycle"]["cells"] == ["c0", "c1"] and found["cycle"]["names"] == ["p", "q"]
+    assert found["double_definition"]["cells"] == ["c2", "c3"]
+    assert found["double_definition"]["names"] == ["d1"]
+    assert found["foreign_assignment"]["cells"] == ["c4", "c5"]
+    assert found["foreign_assignment"]["names"] == ["f1"]
+    for d in found.values():
+        assert all(name in d["message"] for name in d["names"]), d
+    assert statuses(answer) == {"c0": "blocked", "c1": "blocked", "c2": "blocked",
+                                "c3": "blocked", "c4": "blocked", "c5": "blocked", "c6": "ran",
+                                "c7": "blocked", "c8": "blocked"}
+    assert shown(answer, "c6") == "1"
+    assert cell(answer, "c0")["error"]["ename"] == "Cycle"
+
+
+@pytest.mark.parametrize("order", ["notebook", "dataflow"])
+def test_a_syntax_error_blocks_only_its_dependents(server, order):
+    tag = f"syntax-{order}"
+    nb = cells(tag, "base = 1", "broken = 2 *", "use = broken * 2", "other = base + 1\nother")
+    answer = run(server, tag, nb, order=order)
+    assert statuses(answer) == {"c0": "ran", "c1": "blocked", "c2": "blocked", "c3": "ran"}
+    (diag,) = answer["diagnostics"]
+    assert diag["kind"] == "syntax_error" and diag["cells"] == ["c1"]
+    assert (diag["line"], diag["column"]) == (1, 13)
+    assert "line 1, column 13" in diag["message"]
+    assert cell(answer, "c1")["error"]["ename"] == "SyntaxError"
+    assert cell(answer, "c1")["key"] is None
+    assert shown(answer, "c3") == "2"
+    nb[1]["source"] = nb[1]["source"].replace("2 *", "2 * 3")
+    fixed = run(server, tag, nb, order=order)
+    assert statuses(fixed) == {"c0": "reused", "c1": "ran", "c2": "ran", "c3": "reused"}
+
+
+def test_a_generator_is_rebuilt_only_when_its_reader_runs(server):
+    nb = cells("gen", "gen = (i * i for i in range(10))", "first = next(gen)\nfirst",
+               "other = 1")
+    first = run(server, "gen", nb)
+    assert set(statuses(first).values()) == {"ran"} and shown(first, "c1") == "0"
+    nb[2]["source"] = nb[2]["source"].replace("other = 1", "other = 2")
+    assert statuses(run(server, "gen", nb)) == {"c0": "reused", "c1": "reused", "c2": "ran"}
+    nb[1]["source"] = nb[1]["source"].replace("next(gen)", "next(gen) + 100")
+    answer = run(server, "gen", nb)
+    assert statuses(answer) == {"c0": "ran", "c1": "ran", "c2": "reused"}
+    # A new generator, made just before its reader: not the one c1's first run advanced.
+    assert shown(answer, "c1") == "100"
+    assert answer["order"] == ["c0", "c1", "c2"]
+
+
+def test_rerun_forces_the_cell_and_everything_downstream(server):
+    nb = cells("rerun", "import random\nr = random.random()", "s = r * 2", "t = 3",
+               "print(s == 2 * r)")
+    first = run(server, "rerun", nb)
+    before = server.value(cell(first, "c1")["state_name"], "s")
+    again = run(server, "rerun", nb, rerun=["c0"])
+    assert statuses(again) == {"c0": "ran", "c1": "ran", "c2": "reused", "c3": "ran"}
+    assert shown(again, "c3") == "True"
+    # Same key, so the same state name, now bound to the new result.
+    assert cell(again, "c1")["state_name"] == cell(first, "c1")["state_name"]
+    assert server.value(cell(again, "c1")["state_name"], "s") != before
+
+
+def test_a_failing_cell_stops_notebook_order_but_only_its_dependents_in_dataflow(server):
+    nb = cells("fail", "x = 1", "q = 1 / 0", "r = q + 1", "s = x + 1\nprint(s)")
+    answer = run(server, "fail", nb)
+    assert statuses(answer) == {"c0": "ran", "c1": "failed", "c2": "not_run", "c3": "not_run"}
+    assert cell(answer, "c1")["error"]["ename"] == "ZeroDivisionError"
+    assert cell(answer, "c1")["state_name"] is None
+    flow = run(server, "fail-flow", nb, order="dataflow")
+    assert statuses(flow) == {"c0": "reused", "c1": "failed", "c2": "blocked", "c3": "ran"}
+    # A failing cell stored no result: the next run tries it again.
+    assert statuses(run(server, "fail", nb))["c1"] == "failed"
+    # The final state has what the cells before the failure made.
+    assert server.value(answer["state_name"], "x") == "1"
+
+
+def test_interrupting_a_run_stops_its_cell_and_the_run(server):
+    nb = cells("interrupt", "x = 1", "import time\ntime.sleep(60)", "y = x")
+    box = {}
+    exec_id = f"nb-interrupt-{next(_ids)}"
+
+    def go():
+        """The run, in a thread."""
+        box["answer"] = run(server, "interrupt", nb, exec_id=exec_id)
+
+    thread = threading.Thread(target=go)
+    thread.start()
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        record = server.get("/notebooks/interrupt")
+        if record.status_code == 200 and record.json()["running"] and \
+                statuses(record.json())["c1"] == "running":
+            break
+        time.sleep(0.05)
+    else:
+        raise AssertionError("the sleeping cell never started")
+    assert statuses(record.json())["c0"] == "ran" and statuses(record.json())["c2"] == "pending"
+    # While it runs: the same notebook cannot start again, nor be deleted.
+    assert run(server, "interrupt", nb, status=409)["error"]["type"] == "Conflict"
+    assert server.delete("/notebooks/interrupt").status_code == 409
+    started = time.monotonic()
+    assert server.post("/interrupt", {"exec_id": exec_id}).json() == {"interrupted": True}
+    thread.join(30)
+    assert not thread.is_alive() and time.monotonic() - started < 10
+    answer = box["answer"]
+    assert statuses(answer) == {"c0": "ran", "c1": "failed", "c2": "not_run"}
+    assert cell(answer, "c1")["error"]["ename"] == "KeyboardInterrupt"
+    assert server.post("/interrupt", {"exec_id": exec_id}).json() == {"interrupted": False}
+    assert statuses(server.get("/notebooks/interrupt").json()) == statuses(answer)
+
+
+def test_bad_input_is_refused_with_400(server):
+    good = [{"id": "a", "source": "1"}]
+    for body, words in [
+            ({"cells": good}, "notebook"),
+            ({"notebook": "n", "cells": "x = 1"}, "cells"),
+            ({"notebook": "n", "cells": [{"id": "a", "source": "1"}, {"id": "a", "source": "2"}]},
+             "more than once"),
+            ({"notebook": "n", "cells": [{"id": "a"}]}, "source"),
+            ({"notebook": "n", "cells": [{"source": "1"}]}, "id"),
+            ({"notebook": "n", "cells": [{"id": "a", "source": 5}]}, "source"),
+            ({"notebook": "n", "cells": good, "order": "random"}, "order"),
+            ({"notebook": "n", "cells": good, "rerun": ["zz"]}, "zz"),
+            ({"notebook": "n", "cells": good, "rerun": "a"}, "rerun"),
+            ({"notebook": "", "cells": good}, "notebook")]:
+        r = server.post("/notebooks/run", body)
+        assert r.status_code == 400, (body, r.text)
+        assert r.json()["error"]["type"] == "BadRequest" and words in r.json()["error"]["message"]
+    assert server.get("/notebooks/n").status_code == 404
+
+
+def test_notebook_records_are_listed_read_and_deleted(server):
+    nb = cells("records", "print('hello')")
+    run(server, "folder/records", nb)
+    assert "folder/records" in server.get("/notebooks").json()["notebooks"]
+    record = server.get("/notebooks/folder%2Frecords").json()
+    assert record["notebook"] == "folder/records" and shown(record, "c0") == "hello"
+    assert server.get("/notebooks/folder/records").json()["cells"] == record["cells"]
+    assert server.delete("/notebooks/folder/records").json() == {"deleted": "folder/records"}
+    assert server.get("/notebooks/folder/records").status_code == 404
+    assert server.delete("/notebooks/folder/records").status_code == 404
+    assert "folder/records" not in server.get("/notebooks").json()["notebooks"]
+    # The results stay: another notebook with the same cells reuses them.
+    assert statuses(run(server, "records-2", nb)) == {"c0": "reused"}
+
+
+def test_reset_forgets_results_and_records(make_server):
+    srv = make_server()
+    nb = cells("reset", "v = 1")
+    run(srv, "reset", nb)
+    assert srv.post("/reset").json() == {"status": "ok"}
+    assert srv.get("/notebooks").json() == {"notebooks": []}
+    assert statuses(run(srv, "reset", nb)) == {"c0": "ran"}
+
+
+def test_notebook_order_follows_mutations_in_place(server):
+    """A read may mutate: its reader's edit re-runs the later readers, as in Jupyter."""
+    nb = cells("mutate", "xs = [1, 2]", "xs.append(3)\nlen(xs)", "n = len(xs)\nn")
+    first = run(server, "mutate", nb)
+    assert shown(first, "c1") == "3" and shown(first, "c2") == "3"
+    nb[1]["source"] = nb[1]["source"].replace("xs.append(3)", "xs.extend([3, 4])")
+    second = run(server, "mutate", nb)
+    assert statuses(second) == {"c0": "reused", "c1": "ran", "c2": "ran"}
+    assert shown(second, "c2") == "4"
+
+
+def test_functions_read_globals_as_they_are_when_called(server):
+    nb = cells("deferred", "lr = 0.1", "def step(w):\n    return w - lr", "lr = 0.5",
+               "print(step(1.0))")
+    first = run(server, "deferred", nb)
+    assert shown(first, "c3") == "0.5"
+    nb[2]["source"] = nb[2]["source"].replace("0.5", "0.25")
+    second = run(server, "deferred", nb)
+    assert statuses(second) == {"c0": "reused", "c1": "reused", "c2": "ran", "c3": "ran"}
+    assert shown(second, "c3") == "0.75"
+
+
+def test_magics_and_shell_escapes(server):
+    nb = cells("magic", "%matplotlib inline\nimport os", "n = 3", "%time m = n * 2",
+               "!echo shell-{n}", "print(m)")
+    answer = run(server, "magic", nb)
+    assert set(statuses(answer).values()) == {"ran"}, answer
+    assert shown(answer, "c3") == "shell-3" and shown(answer, "c4") == "6"
+    nb[1]["source"] = nb[1]["source"].replace("n = 3", "n = 4")
+    again = run(server, "magic", nb)
+    assert statuses(again) == {"c0": "reused", "c1": "ran", "c2": "ran", "c3": "ran",
+                               "c4": "ran"}
+    assert shown(again, "c4") == "8"
+
+
+def test_cells_of_another_notebook_are_reused(server):
+    """Results are shared by every notebook: a copy of a notebook runs nothing."""
+    nb = cells("shared", "import os\npid = os.getpid()", "print(pid > 0)")
+    run(server, "shared-a", nb)
+    assert set(statuses(run(server, "shared-b", nb)).values()) == {"reused"}
