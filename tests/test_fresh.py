@@ -194,7 +194,9 @@ def test_every_process_the_run_started_is_gone(tmp_path, ending):
                        for p in alive.values()]
     assert run.receipt["cleanup"]["status"] == "ok"
     assert run.receipt["cleanup"]["processes_left"] == 0
-    assert run.receipt["cleanup"]["processes_observed"] >= 6
+    # The three the cell left run until cleanup, so they are observed at the latest then;
+    # the run's own workers count only when a poll happened to see them.
+    assert run.receipt["cleanup"]["processes_observed"] >= 3
 
 
 def test_callers_variables_never_reach_the_notebook(tmp_path):
