@@ -174,8 +174,7 @@ def run_limited(cell, namespace, execution_count, settings, sink=None):
     applied = begin_cell(settings)
     signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
-        extra = {"sink": sink} if sink is not None else {}
-        outputs, error = runner.run_cell(cell, namespace, execution_count, settings, **extra)
+        outputs, error = runner.run_cell(cell, namespace, execution_count, settings, sink)
     finally:
         if os.getpid() != owner:
             os._exit(0)
