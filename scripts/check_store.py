@@ -220,7 +220,7 @@ def main(argv=None):
               f"pass --data-dir", file=sys.stderr)
         return 2
     try:
-        store = Store(data_dir, readonly=True)
+        store = Store(data_dir)
     except StoreError as exc:
         print(f"check_store.py: error: {exc}", file=sys.stderr)
         return 1

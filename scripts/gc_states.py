@@ -258,7 +258,7 @@ def compact(store, data_dir):
     try:
         expected = len(store.manifests())
         store.env.copy(tmp, compact=True)
-        copy = Store(tmp, readonly=True)
+        copy = Store(tmp)
         try:
             if len(copy.manifests()) != expected:
                 raise StoreError(f"the compacted copy in {tmp} lost states; the store "
@@ -283,7 +283,7 @@ def compact(store, data_dir):
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     # Prove the swapped-in file opens as a store before reporting success.
-    Store(path, readonly=True).env.close()
+    Store(path).env.close()
 
 
 def free_on_disk(data_dir):
@@ -314,8 +314,7 @@ def run(args, out=print):
                       f"{os.path.join(data_dir, 'server.lock')}); stop it first, then rerun")
     try:
         # A dry run opens the store read-only: it cannot change a byte.
-        store = Store(data_dir, max_store_gb=settings["store.max_store_gb"],
-                      readonly=args.dry_run)
+        store = Store(data_dir, None if args.dry_run else settings)
         try:
             return _collect(store, data_dir, args, out)
         finally:
@@ -508,7 +507,7 @@ def local_notebook_needs(args, settings, manifests, now):
     if not os.path.isfile(os.path.join(data_dir, DATA_FILE)):
         return set()
     # Read-only: a server may be running on it.
-    store = Store(data_dir, max_store_gb=settings["store.max_store_gb"], readonly=True)
+    store = Store(data_dir)
     try:
         return notebook_plan(NotebookStore(store), manifests, None, now)[3]
     finally:

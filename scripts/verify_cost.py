@@ -68,8 +68,8 @@ def best(runs, action):
 
 def measure(directory, kind, size, runs, settings):
     """Print the read and restore times of a `size`-byte state of `kind`."""
-    store = Store(os.path.join(directory, kind), max_store_gb=4 * size / 2 ** 30 + 1,
-                  zstd_level=settings["store.zstd_level"])
+    store = Store(os.path.join(directory, kind),
+                  {**settings, "store.max_store_gb": 4 * size / 2 ** 30 + 1})
     rng = np.random.default_rng(0)
     value = (rng.random(size // 8) if kind == "floats"
              else rng.integers(0, 2 ** 62, size // 8))

@@ -55,12 +55,8 @@ _READ_AHEAD_KEYS = 2 ** 16
 
 def open_store(settings):
     """This process's store: LMDB alone, or LMDB caching the remote of `store.remote`."""
-    s = settings
-    options = dict(max_store_gb=s["store.max_store_gb"], durability=s["store.durability"],
-                   zstd_level=s["store.zstd_level"])
-    if not s["store.remote"]:
-        return Store.for_process(s["server.data_dir"], **options)
-    return CachedStore.for_process(s["server.data_dir"], settings=s, **options)
+    kind = CachedStore if settings["store.remote"] else Store
+    return kind.for_process(settings["server.data_dir"], settings)
 
 
 def _time(value):
@@ -71,9 +67,9 @@ def _time(value):
 class CachedStore(Store):
     """An LMDB store that reads and writes through to a remote store."""
 
-    def __init__(self, path, settings, **options):
+    def __init__(self, path, settings):
         """Open the LMDB cache at `path` for the remote of `settings`."""
-        super().__init__(path, **options)
+        super().__init__(path, settings)
         self.remote = RemoteStore(settings["store.remote"], settings["store.remote_endpoint"],
                                   settings)
         self.book = self.env.open_db(b"remote", create=not self.readonly)

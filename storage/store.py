@@ -69,25 +69,29 @@ class Store:
 
     _per_process = {}
 
-    def __init__(self, path, max_store_gb=64, durability="sync", readonly=False,
-                 zstd_level=3):
-        """Open (creating if needed) the store at `path`; refuse a foreign one."""
+    def __init__(self, path, settings=None):
+        """Open the store at `path`: for writing (created if needed) under the
+        `store.*` tunables of `settings`, or read-only when settings is None.
+        Refuses a foreign store."""
         self.path = path
-        self.readonly = readonly
-        self.max_store_gb = max_store_gb
-        self.compressor = zstandard.ZstdCompressor(level=zstd_level, write_checksum=True)
-        sync = durability == "sync"
+        self.readonly = settings is None
+        self.max_store_gb = None if self.readonly else settings["store.max_store_gb"]
+        self.compressor = None if self.readonly else zstandard.ZstdCompressor(
+            level=settings["store.zstd_level"], write_checksum=True)
+        sync = self.readonly or settings["store.durability"] == "sync"
         try:
-            if not readonly:
+            if not self.readonly:
                 os.makedirs(path, exist_ok=True)
             check_data_file(path)
+            # map_size 0 when read-only: LMDB maps the file as large as it is.
+            map_size = 0 if self.readonly else int(self.max_store_gb * 2 ** 30)
             # meta, blobs, states; notebooks (storage/notebooks.py); remote (storage/cache.py)
-            self.env = lmdb.open(path, map_size=int(max_store_gb * 2 ** 30), max_dbs=5,
-                                 sync=sync, metasync=sync, readonly=readonly,
-                                 readahead=False, create=not readonly, lock=True)
-            self.meta = self.env.open_db(b"meta", create=not readonly)
-            self.blobs = self.env.open_db(b"blobs", create=not readonly)
-            self.states = self.env.open_db(b"states", create=not readonly)
+            self.env = lmdb.open(path, map_size=map_size, max_dbs=5,
+                                 sync=sync, metasync=sync, readonly=self.readonly,
+                                 readahead=False, create=not self.readonly, lock=True)
+            self.meta = self.env.open_db(b"meta", create=not self.readonly)
+            self.blobs = self.env.open_db(b"blobs", create=not self.readonly)
+            self.states = self.env.open_db(b"states", create=not self.readonly)
         except lmdb.Error as exc:
             raise StoreError(
                 f"cannot open the store at {path}: {exc}. If it is damaged, move the "
@@ -95,7 +99,7 @@ class Store:
         self._check_format()
 
     @classmethod
-    def for_process(cls, path, **options):
+    def for_process(cls, path, settings):
         """The store handle of the calling process, opened on first use.
 
         An LMDB handle must not be used across a fork, and py-lmdb refuses a
@@ -113,7 +117,7 @@ class Store:
         if store is None:
             for inherited in [k for k in cls._per_process if k[0] != pid]:
                 cls._per_process.pop(inherited).env.close()
-            store = cls._per_process[key] = cls(path, **options)
+            store = cls._per_process[key] = cls(path, settings)
         return store
 
     @classmethod

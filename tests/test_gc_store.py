@@ -33,7 +33,7 @@ def check(data_dir):
 
 def contents(data_dir):
     """({name: manifest}, {blob keys}) of the store, read without a server."""
-    store = Store(str(data_dir), readonly=True)
+    store = Store(str(data_dir))
     try:
         return store.manifests(), set(store.blob_keys())
     finally:
@@ -42,7 +42,7 @@ def contents(data_dir):
 
 def referenced(data_dir, manifests):
     """Every blob key the manifests refer to, chunk lists expanded."""
-    store = Store(str(data_dir), readonly=True)
+    store = Store(str(data_dir))
     try:
         return set().union(*(store.referenced(m) for m in manifests.values()))
     finally:

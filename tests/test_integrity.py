@@ -28,7 +28,7 @@ FLAGS = {"compressed": b"Z", "raw": b"H"}
 
 def chunk_record(data_dir, state, variable):
     """(key, stored record) of the middle chunk of `variable`'s buffer in `state`."""
-    store = Store(str(data_dir), readonly=True)
+    store = Store(str(data_dir))
     try:
         manifest = store.manifest(state)
         group = next(g for g in manifest["groups"] if g["members"] == [variable])

@@ -7,6 +7,7 @@ import sys
 import nbformat
 
 from conftest import ROOT
+from kernel import config
 from storage.notebooks import NotebookStore
 from storage.store import Store
 
@@ -43,7 +44,7 @@ def contents(data_dir):
 
 def backdate_results(data_dir, keys, days):
     """Move the time results were stored `days` into the past."""
-    store = Store(str(data_dir))
+    store = Store(str(data_dir), config.load())
     try:
         notebooks = NotebookStore(store)
         for key, result in notebooks.results(keys).items():

@@ -301,7 +301,7 @@ def test_the_cache_stays_within_cache_gb(s3, make_server, tmp_path):
         sums[i] = a.value(f"s{i}", f"int(v{i}.sum())")
     a.stop()
     stored = sum(item["Size"] for item in s3.objects(bucket, "blobs").values())
-    store = Store(str(data), readonly=True)
+    store = Store(str(data))
     try:
         with store.env.begin() as txn:
             stat = txn.stat(store.blobs)

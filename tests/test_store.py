@@ -283,6 +283,7 @@ def test_dill_fallback_and_async_durability(make_server, tmp_path):
 
 FORKED_WRITERS = r"""
 import hashlib, os, sys
+from kernel import config
 from storage.store import Store
 from storage.snapshot import new_manifest
 
@@ -290,7 +291,7 @@ path = sys.argv[1]
 
 def write(tag, count):
     '''Store `count` states named after `tag`, each read back through this process's handle.'''
-    store = Store.for_process(path)
+    store = Store.for_process(path, config.load())
     for i in range(count):
         data = f"{tag}-{i}".encode() * 100
         key = hashlib.sha256(data).hexdigest()
@@ -313,7 +314,7 @@ for c in range(4):
     children.append(pid)
 write("parent-during", 30)
 codes = [os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) for pid in children]
-names = set(Store.for_process(path).manifests())
+names = set(Store.for_process(path, config.load()).manifests())
 print(codes, len(names))
 """
 
