@@ -35,7 +35,8 @@ import tempfile
 import threading
 import time
 
-from harness import ROOT, Server, alive
+from harness import ROOT, Server
+from kernel.proctable import alive
 
 SIZES = (10, 1000, 200_000)  # floats per state: a few bytes to 1.6 MB (a slower write)
 

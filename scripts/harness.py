@@ -2,8 +2,8 @@
 
 scripts/bench.py, load.py and faults.py import it as `harness` (a script's
 own folder is first on its sys.path); tests/conftest.py puts this folder on
-sys.path and builds its fixtures on `Server`. Standard library only, so a
-script needs nothing the server does not.
+sys.path and builds its fixtures on `Server`. Standard library only (and
+kernel/proctable.py, which is too), so a script needs nothing the server does not.
 """
 
 import http.client
@@ -18,6 +18,10 @@ import time
 import urllib.request
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+
+from kernel.proctable import descendants  # noqa: E402
 TOKEN = "test-token"
 
 
@@ -129,36 +133,6 @@ class Server(ServerProcess):
             argv += ["--config", path]
         super().__init__(argv, port, log_path or self.data_dir + "-server.log", token=token,
                          **kw)
-
-
-def descendants(pid):
-    """Pids of every process below `pid` (from /proc)."""
-    children = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    stat = f.read()
-            except OSError:
-                continue
-            ppid = int(stat[stat.rfind(")") + 2:].split()[1])
-            children.setdefault(ppid, []).append(int(entry))
-    found, todo = [], [pid]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            found.append(child)
-            todo.append(child)
-    return found
-
-
-def alive(pid):
-    """True if `pid` exists and is not a zombie."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            stat = f.read()
-    except OSError:
-        return False
-    return stat[stat.rfind(")") + 2] != "Z"
 
 
 def machine():

@@ -13,47 +13,10 @@ import os
 import signal
 import time
 
+from kernel.proctable import descendants, table
+
 # Seconds between two passes of `Tracker.kill_all` while processes remain.
 _KILL_PASS_S = 0.01
-
-
-def _stat(pid):
-    """(ppid, state, start time) of a process from /proc/PID/stat, or None if gone."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            text = f.read()
-    except OSError:
-        return None
-    # The command name may hold spaces and parentheses: fields start after the last ")".
-    fields = text[text.rfind(")") + 2:].split()
-    try:
-        return int(fields[1]), fields[0], int(fields[19])
-    except (IndexError, ValueError):
-        return None
-
-
-def table():
-    """{pid: (ppid, state, start time)} of every process visible now."""
-    found = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            info = _stat(int(entry))
-            if info is not None:
-                found[int(entry)] = info
-    return found
-
-
-def descendants(root, procs):
-    """Pids of the processes below `root` in `procs` (a `table()`), root excluded."""
-    children = {}
-    for pid, (ppid, _, _) in procs.items():
-        children.setdefault(ppid, []).append(pid)
-    found, todo = [], list(children.get(root, []))
-    while todo:
-        pid = todo.pop()
-        found.append(pid)
-        todo.extend(children.get(pid, []))
-    return found
 
 
 def memory_bytes(pid):
@@ -93,9 +56,9 @@ class Tracker:
         total = 0
         for pid in tree:
             info = procs.get(pid)
-            if info is None or info[1] == "Z":
+            if info is None or info.state == "Z":
                 continue
-            self.seen.setdefault(pid, info[2])
+            self.seen.setdefault(pid, info.start)
             total += memory_bytes(pid)
         self.peak_bytes = max(self.peak_bytes, total)
         return total
@@ -106,9 +69,9 @@ class Tracker:
         procs = table() if procs is None else procs
         pids = set(descendants(self.root, procs))
         pids |= {pid for pid, start in self.seen.items()
-                 if pid in procs and procs[pid][2] == start}
+                 if pid in procs and procs[pid].start == start}
         pids.discard(self.root)
-        return {pid for pid in pids if procs.get(pid, (0, "Z"))[1] != "Z"}
+        return {pid for pid in pids if pid in procs and procs[pid].state != "Z"}
 
     def kill_all(self, deadline):
         """SIGKILL every process of the tree but the root, and every observed one, until
@@ -128,7 +91,7 @@ class Tracker:
             procs = table()
             pids = self.alive(procs)
             for pid in pids:
-                self.seen.setdefault(pid, procs[pid][2])
+                self.seen.setdefault(pid, procs[pid].start)
             if not descendants(self.root, procs) and not pids or \
                     time.monotonic() > deadline:
                 return pids

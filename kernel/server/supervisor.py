@@ -13,7 +13,7 @@ import signal
 import threading
 import time
 
-from kernel import protocol, trace
+from kernel import proctable, protocol, trace
 from kernel.errors import Conflict
 from kernel.server.pool import WorkerError
 
@@ -182,17 +182,4 @@ def private_bytes(pid):
 
 def group_processes(pgid):
     """How many processes are in process group `pgid`."""
-    count = 0
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                stat = f.read()
-        except OSError:
-            continue
-        # Fields after the command name (which may hold spaces): state ppid pgrp ...
-        fields = stat[stat.rfind(")") + 2:].split()
-        if len(fields) > 2 and fields[2] == str(pgid):
-            count += 1
-    return count
+    return sum(1 for info in proctable.table().values() if info.pgrp == pgid)
