@@ -30,7 +30,7 @@ from api.validation import check_body, check_state_name
 from kernel import config as config_mod
 from kernel import trace
 from kernel.errors import InvalidRequest
-from kernel.notebook import fresh, fresh_file, fresh_request
+from kernel.notebook import fresh, fresh_request
 from kernel.notebook.runner import Runner
 from kernel.server.registry import Registry
 from storage.store import StoreError, try_server_lock
@@ -542,7 +542,7 @@ class RunRefused(Exception):
 
 def run_command(argv):
     """`main.py run NB.ipynb ...`: returns the exit status."""
-    from kernel.notebook import ipynb
+    from kernel.notebook import ipynb  # nbformat: only for .ipynb files
     args = parse_run_args(argv)
     if args.fresh:
         return _run_fresh(args)
@@ -570,6 +570,7 @@ def run_command(argv):
 
 def _run_fresh(args):
     """`main.py run --fresh`: the run without a server or store; the exit status."""
+    from kernel.notebook import fresh_file  # nbformat: only for .ipynb files
     try:
         settings = config_mod.load(args.config)
     except config_mod.ConfigError as exc:

@@ -91,6 +91,16 @@ def test_missing_and_mistyped_fields(server):
     for body in bad:
         r = server.post("/execute", body)
         assert r.status_code == 400, (body, r.text)
+    # The message names the field and what is wrong with it.
+    messages = {
+        "field 'exec_id' is missing": {"code": "1", "state_name": "initial"},
+        "field 'code' must be string or null": bad[2],
+        "field 'exec_id' must be string or integer": bad[3],
+        "field 'new_state_name' must not contain control characters":
+            {"code": "1", "exec_id": "x", "state_name": "initial", "new_state_name": "a\nb"},
+    }
+    for message, body in messages.items():
+        assert server.post("/execute", body).json()["error"]["message"] == message
     assert server.post("/symbol_hashes", {"state_name": "initial",
                                           "symbols": "x"}).status_code == 400
     assert server.post("/symbol_hashes", {"state_name": "initial", "symbols": ["x"],
