@@ -95,6 +95,11 @@ class CellAnalysis:
     # `class`, `import`, `as`, `for`, ...), for the cells that need it to wait for a fix.
     probable_defines: frozenset = frozenset()
 
+    @property
+    def free_reads(self):
+        """The names read, builtins excluded."""
+        return self.reads - BUILTINS
+
 
 class _Scope:
     """A Python scope: which names are local to it."""
