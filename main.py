@@ -463,9 +463,14 @@ def main(argv=None):
     app.config["token"] = args.token
     app.config["no_auth"] = args.no_auth and not args.token
     try:
-        get_kernel()
+        damaged = get_kernel().damaged
     except StoreError as exc:
         sys.exit(f"error: {exc}")
+    if damaged:
+        # Said once, before serving: while it serves, the server writes nothing on stderr.
+        print(f"warning: {len(damaged)} state(s) left out, their manifests damaged: "
+              f"{'; '.join(map(str, damaged[:3]))}{'; ...' if len(damaged) > 3 else ''}. "
+              f"scripts/check_store.py lists what is damaged", file=sys.stderr, flush=True)
     scheme = "https" if _settings["server.certfile"] else "http"
     note_holder(app.config["server_lock"], f"a server at {scheme}://{args.bind} "
                                            f"(pid {os.getpid()})")

@@ -38,11 +38,10 @@ import argparse  # noqa: E402
 import hashlib  # noqa: E402
 
 import lmdb  # noqa: E402
-import zstandard  # noqa: E402
 
 from kernel import config as config_mod  # noqa: E402
 from storage.remote import RemoteStore  # noqa: E402
-from storage.store import Store, StoreError, decode_manifest  # noqa: E402
+from storage.store import Store, StoreCorrupt, StoreError, decode_manifest  # noqa: E402
 
 DATA_FILE = "data.mdb"
 _LISTED = 20  # unreferenced blobs listed by key; the rest are only counted
@@ -159,9 +158,9 @@ def check(store, out=print):
     referenced = {}  # key -> [(state, members, role)]
     for name, raw in sorted(raw_manifests.items()):
         try:
-            manifest = decode_manifest(raw)
-        except (ValueError, zstandard.ZstdError) as exc:
-            problems.append((name, "-", "-", f"manifest is not readable JSON ({exc})"))
+            manifest = decode_manifest(raw, name)
+        except StoreCorrupt as exc:
+            problems.append((name, "-", "-", str(exc)))
             continue
         for members, role, key in group_refs(name, manifest, problems):
             referenced.setdefault(key, []).append((name, members, role))

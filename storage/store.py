@@ -43,12 +43,24 @@ def encode_manifest(manifest):
     return zstandard.ZstdCompressor(level=3).compress(json.dumps(manifest).encode())
 
 
-def decode_manifest(raw):
-    """A stored manifest: zstd-compressed JSON, or plain JSON (which starts with '{')."""
+def decode_manifest(raw, name=None):
+    """A stored manifest (or record: storage/notebooks.py, remote.py): zstd-compressed
+    JSON, or plain JSON (which starts with '{').
+
+    Raises StoreCorrupt, naming state `name`, when the bytes are damaged.
+    """
     raw = bytes(raw)
-    if not raw.startswith(b"{"):
-        raw = zstandard.ZstdDecompressor().decompress(raw)
-    return json.loads(raw)
+    try:
+        if not raw.startswith(b"{"):
+            raw = zstandard.ZstdDecompressor().decompress(raw)
+        manifest = json.loads(raw)
+    except (ValueError, zstandard.ZstdError) as exc:
+        problem = str(exc)
+    else:
+        if isinstance(manifest, dict):
+            return manifest
+        problem = "not a JSON object"
+    raise StoreCorrupt(f"the manifest of state {name!r} is damaged ({problem})")
 
 
 class StoreError(Exception):
@@ -178,12 +190,25 @@ class Store:
         """The manifest of state `name`, or None."""
         with self.env.begin(db=self.states) as txn:
             raw = txn.get(name.encode())
-        return None if raw is None else decode_manifest(raw)
+        return None if raw is None else decode_manifest(raw, name)
 
-    def manifests(self):
-        """Every manifest, {name: manifest}."""
+    def manifests(self, damaged=None):
+        """Every manifest, {name: manifest}.
+
+        A damaged one raises StoreCorrupt; or, when `damaged` is a list, it is
+        left out and its StoreCorrupt appended to that list.
+        """
+        found = {}
         with self.env.begin(db=self.states) as txn:
-            return {k.decode(): decode_manifest(v) for k, v in txn.cursor()}
+            for key, raw in txn.cursor():
+                name = key.decode()
+                try:
+                    found[name] = decode_manifest(raw, name)
+                except StoreCorrupt as exc:
+                    if damaged is None:
+                        raise
+                    damaged.append(exc)
+        return found
 
     def delete_states(self, names):
         """Remove manifests (their blobs stay until garbage collection)."""

@@ -95,6 +95,33 @@ def test_damaged_blob_is_store_corrupt_and_the_rest_loads(make_server, tmp_path,
                for line in found.stdout.splitlines()), found.stdout
 
 
+def test_damaged_manifest_leaves_that_state_out_and_the_server_starts(make_server, tmp_path):
+    data = tmp_path / "store"
+    srv = make_server(data)
+    srv.execute("kept = 1", new="kept")
+    srv.execute("lost = 2", new="lost")
+    srv.stop()
+    env = lmdb.open(str(data), max_dbs=5)
+    with env.begin(write=True, db=env.open_db(b"states")) as txn:
+        txn.put(b"lost", zstandard.ZstdCompressor().compress(b'{"name": "lost", "vari'))
+    env.close()
+
+    again = make_server(data)
+    assert again.value("kept", "kept") == "1"
+    r = again.post("/execute", {"code": "lost", "exec_id": "x", "state_name": "lost"})
+    assert r.json()["error"]["ename"] == "StateNotFound", r.text
+    assert "lost" not in again.get("/states").json()
+    again.stop()
+    with open(str(data) + "-server.log") as f:
+        said = f.read()  # the server's stderr
+    assert "1 state(s) left out" in said and "state 'lost' is damaged" in said, said
+    found = run_script("check_store.py", data)
+    assert found.returncode == 1 and "'lost' is damaged" in found.stdout, found.stdout
+    # gc cannot tell what the damaged state needed: it refuses, naming it.
+    gc = run_script("gc_states.py", data, "--unreachable")
+    assert gc.returncode == 1 and "'lost' is damaged" in gc.stderr, gc.stderr
+
+
 def test_format_1_blobs_are_read_and_verified_by_their_keys(make_server, tmp_path):
     """A store written before blob checksums: its blobs load, and damage is caught
     by the SHA-256 they are named by."""

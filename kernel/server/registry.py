@@ -6,6 +6,7 @@ answers metadata questions from manifests alone; requests that run code
 go through the supervisor to children of the live holders.
 """
 
+import logging
 import threading
 import uuid
 
@@ -19,6 +20,8 @@ from storage.cache import open_store
 from storage.publisher import Publisher
 from storage.remote import NameConflict, RemoteUnavailable
 from storage.store import StoreCorrupt, StoreFull
+
+log = logging.getLogger("snapshot_kernel")
 
 INITIAL = "initial"
 
@@ -37,7 +40,11 @@ class Registry:
         if self.shared:
             self.shared.start()
         self.lock = threading.RLock()
-        self.names = self.store.manifests()
+        # A damaged manifest does not stop the server: every other state is served.
+        self.damaged = []  # StoreCorrupt of each state left out
+        self.names = self.store.manifests(self.damaged)
+        for problem in self.damaged:
+            log.error("%s; that state is left out", problem)
         self._ensure_initial()
         self.generation = 0  # bumped by reset: results of runs started before it are void
         self.pool = Pool(settings, env, cwd)
