@@ -111,13 +111,17 @@ def _pickle_group(values, namespace, class_tag, settings, records, store):
             "fingerprint": _digest(pickled, key, pieces, layout)}
 
 
-def save_groups(store, manifest, namespace, dirty, settings, class_tag="", parent=None):
+def save_groups(store, manifest, namespace, dirty, settings, class_tag="", parent=None,
+                rebound=None):
     """Group, pickle and hash the `dirty` names of `namespace` into `manifest`.
 
     Returns the blob records to write. Values neither pickler can store
-    become volatile: listed in the manifest, kept live by the holder. A
-    group that pickles exactly as in `parent` (a cell only read it) keeps
-    the parent's symbol hashes and reprs, which can cost more than the pickle.
+    become volatile: listed in the manifest, kept live by the holder, with
+    the code that makes them again: this cell's, unless the value was volatile
+    in `parent` already and the cell did not rebind it (it is not in
+    `rebound`, when given), which keeps the parent's maker. A group that
+    pickles exactly as in `parent` (a cell only read it) keeps the parent's
+    symbol hashes and reprs, which can cost more than the pickle.
     """
     before = {(g["fingerprint"], tuple(g["members"])): g for g in (parent or {}).get("groups", [])}
     limit = settings["store.repr_max_chars"]
@@ -141,9 +145,12 @@ def save_groups(store, manifest, namespace, dirty, settings, class_tag="", paren
                     single = _pickle_group([values[m]], namespace, class_tag,
                                            settings, records, store)
                 except serializer.Unpicklable as exc:
+                    maker = (parent or {}).get("volatile", {}).get(m)
+                    if maker is None or rebound is None or m in rebound:
+                        maker = {"code": manifest["code"], "state": manifest["name"]}
                     manifest["volatile"][m] = {
                         "type": type_name(values[m]), "repr": short_repr(values[m], limit),
-                        "code": manifest["code"], "state": manifest["name"],
+                        "code": maker["code"], "state": maker["state"],
                         "reason": str(exc)[:300]}
                     manifest["variables"][m] = {"type": type_name(values[m]),
                                                 "repr": short_repr(values[m], limit)}

@@ -148,6 +148,20 @@ def test_volatile_values_live_on_and_replay_after_restart(make_server, tmp_path)
     assert again.value("v2", "next(gen), keep, k2") == "(10, 5, 6)"
 
 
+def test_a_cell_that_only_uses_a_volatile_value_leaves_its_maker_to_replay(make_server, tmp_path):
+    data = tmp_path / "store"
+    srv = make_server(data)
+    srv.execute("gen = (x * 10 for x in range(5))", new="made")
+    srv.execute("first = next(gen)", state="made", new="used")
+    assert srv.get("/states/used").json()["volatile_symbols"] == ["gen"]
+    srv.execute("gen = iter('ab')", state="used", new="remade")
+    srv.stop()
+    again = make_server(data)
+    # Replaying the maker gives the generator as made (its advance is not stored).
+    assert again.value("used", "next(gen), first") == "(0, 0)"
+    assert again.value("remade", "next(gen)") == "'a'"
+
+
 def test_failed_replay_names_variable_and_cell(make_server, tmp_path):
     data = tmp_path / "store"
     source = tmp_path / "words.txt"

@@ -99,8 +99,8 @@ class CellChild:
                                             self.sink(msg))
         trace.stamp("ran", msg.exec_id)
         after = user_names(namespace)
-        modified = {n for n in after if n not in before or before[n] is not namespace[n]}
-        modified |= found.writes & after
+        rebound = {n for n in after if n not in before or before[n] is not namespace[n]}
+        modified = rebound | (found.writes & after)
         deleted = names_before - after - state.unloaded_names()
         answer = ExecuteAnswer(output=outputs, error=error, execution_count=count,
                                accessed_symbols=sorted(found.reads & names_before),
@@ -113,7 +113,7 @@ class CellChild:
         if found.dynamic:
             touched |= names_before | after
         try:
-            manifest = self.save(msg, count, touched, after)
+            manifest = self.save(msg, count, touched, after, rebound)
         except StoreError as exc:  # StoreFull among them: the server answers 507
             answer.error = protocol.error(type(exc).__name__, str(exc), [])
             return None, protocol.CellResult(answer)
@@ -122,8 +122,9 @@ class CellChild:
         answer.volatile_symbols = sorted(manifest["volatile"])
         return manifest, protocol.CellResult(answer, manifest)
 
-    def save(self, msg, count, touched, present):
-        """Write the new state: dirty groups re-pickled, the others carried."""
+    def save(self, msg, count, touched, present, rebound):
+        """Write the new state: dirty groups re-pickled, the others carried.
+        `rebound`: the names the cell bound to another object (or made)."""
         parent = self.state.manifest
         manifest = snapshot.new_manifest(msg.new_name, parent, msg.code, count, msg.auto_named)
         carried, dirty = [], set()
@@ -139,7 +140,8 @@ class CellChild:
         tag = f"{count}:{manifest['code_digest']}"
         store = self.state.store()
         records = snapshot.save_groups(store, manifest, self.state.namespace, sorted(dirty),
-                                       self.state.settings, class_tag=tag, parent=parent)
+                                       self.state.settings, class_tag=tag, parent=parent,
+                                       rebound=rebound)
         snapshot.commit(store, manifest, records)
         return manifest
 
