@@ -12,6 +12,7 @@ import dataclasses
 
 from kernel.notebook import receipt, runner
 from kernel.protocol import ExecuteAnswer
+from kernel.server.registry import MAX_NAME_BYTES
 
 MAX_NAME = 200
 
@@ -28,8 +29,8 @@ _ERROR = {
 STATE_NAME = {
     "type": "string", "minLength": 1, "maxLength": MAX_NAME,
     "pattern": "^[^\\x00-\\x1f\\x7f-\\x9f\\ud800-\\udfff]*$",
-    "description": "1 to 200 characters, no control characters; slashes and any Unicode "
-                   "are fine",
+    "description": f"1 to {MAX_NAME} characters and at most {MAX_NAME_BYTES} bytes in "
+                   f"UTF-8, no control characters; slashes and any Unicode are fine",
 }
 _STATE_NAME = STATE_NAME
 

@@ -117,7 +117,12 @@ def test_bad_state_names(server):
         r = server.post("/execute", {"code": "1", "exec_id": "n", "state_name": "initial",
                                      "new_state_name": name})
         assert r.status_code == 400, repr(name)
+    # 200 characters, but more bytes than the store's keys hold: refused before running.
+    r = server.post("/execute", {"code": "ran = 1", "exec_id": "n", "state_name": "initial",
+                                 "new_state_name": "\U0001d518" * 200})
+    assert r.status_code == 400 and "800 bytes" in r.json()["error"]["message"], r.text
     server.execute("v = 1", new="x" * 200)
+    server.execute("v = 1", new="\u00e9" * 200)
     server.execute("v = 2", new="päth/like ünïcode ✓")
     assert server.value("päth/like ünïcode ✓", "v") == "2"
     assert server.get("/states/päth/like ünïcode ✓").json()["variables"]["v"]["repr"] == "2"

@@ -24,6 +24,8 @@ from storage.store import StoreCorrupt, StoreFull
 log = logging.getLogger("snapshot_kernel")
 
 INITIAL = "initial"
+# A state's name is the LMDB key of its manifest, and LMDB keys are at most 511 bytes.
+MAX_NAME_BYTES = 511
 
 
 class Registry:
@@ -171,6 +173,7 @@ class Registry:
             generation = self.generation
         if manifest is None:
             return ExecuteAnswer.failed(protocol.error("StateNotFound", state_name))
+        _check_new_name(new_name)
         request = protocol.Execute(code=code, new_name=new_name or uuid.uuid4().hex,
                                    auto_named=new_name is None, exec_id=_key(exec_id),
                                    stream=on_output is not None)
@@ -203,6 +206,7 @@ class Registry:
 
     def rebuild(self, input_state, source_state, source_vars, input_vars, new_name=None):
         """Make a state of `source_vars` from one state and `input_vars` from another."""
+        _check_new_name(new_name)
         with self.lock:
             generation = self.generation
         base = self.manifest(input_state)
@@ -273,6 +277,14 @@ class Registry:
 # The store's errors a worker reports by name, raised again here.
 _STORE_ERRORS = {cls.__name__: cls for cls in (StoreFull, StoreCorrupt, RemoteUnavailable,
                                                NameConflict)}
+
+
+def _check_new_name(name):
+    """Refuse a name the store cannot hold, before anything runs."""
+    size = len(name.encode()) if name is not None else 0
+    if size > MAX_NAME_BYTES:
+        raise InvalidRequest(f"the state name is {size} bytes long in UTF-8; at most "
+                             f"{MAX_NAME_BYTES} are allowed")
 
 
 def _key(exec_id):
