@@ -1,5 +1,6 @@
 """Process model: interrupts, crashing cells, parallel runs, eviction, shutdown."""
 
+import contextlib
 import glob
 import os
 import signal
@@ -188,11 +189,27 @@ def test_next_cell_runs_in_the_process_that_made_its_state(make_server):
     # run-a kept its value; its holder (forked off by the runner) answers from a spare of its own.
     again = srv.execute("pids, os.getpid()", state="run-a")["output"][0]["data"]["text/plain"]
     assert eval(again)[0] == pids[:1] and eval(again)[1] != pids[0]
+    holders = runner.children()  # those of run-a, run-b and run-c, forked by the runner
     for name in ("run-a", "run-b"):
         assert srv.delete(f"/states/{name}").status_code == 200
+
+    def zombies():
+        """How many of the holders have exited and wait to be reaped."""
+        count = 0
+        for holder in holders:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                count += holder.status() == psutil.STATUS_ZOMBIE
+        return count
+
+    # The deleted states' holders exit; the runner reaps them when it next forks one.
+    deadline = time.monotonic() + 60
+    while zombies() < 2:
+        assert time.monotonic() < deadline, "the deleted states' holders did not exit"
+        time.sleep(0.05)
     srv.execute("pids.append(os.getpid())", state="run-c", new="run-d")
-    time.sleep(0.5)
-    assert all(c.status() != psutil.STATUS_ZOMBIE for c in runner.children())
+    while zombies():
+        assert time.monotonic() < deadline, "the runner left its exited holders unreaped"
+        time.sleep(0.05)
 
 
 def _leave_state_behind(srv, name):
