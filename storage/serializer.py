@@ -19,6 +19,8 @@ import types
 import cloudpickle
 from cloudpickle import cloudpickle as _cp
 
+from storage import canonical
+
 PROTOCOL = 5
 
 # The namespace loaded functions are bound to; set by `loading_into`.
@@ -92,6 +94,8 @@ class _GroupPickler(cloudpickle.Pickler):
                     state, None, None, _set_function_state)
         if isinstance(obj, type) and obj.__module__ == "__main__":
             _track_class(obj, self._class_tag)
+        elif (reduced := canonical.reduce(obj)) is not None:
+            return reduced
         elif self._ndarray is not None and type(obj) is self._ndarray:
             view = _view_reduce(obj, self._ndarray)
             if view is not None:
