@@ -10,7 +10,8 @@ Two kinds of entries, by key prefix:
   key and status; outputs only for cells without a stored result).
 
 Values are zstd-compressed JSON, as manifests are. Each write is one
-transaction. Nothing here runs user code.
+transaction: a notebook run writes its results and record together, at its
+end. Nothing here runs user code.
 """
 
 import lmdb
@@ -83,9 +84,13 @@ class NotebookStore:
         """{cell key: result} of every stored result."""
         return self._scan(_RESULT)
 
-    def put_result(self, key, result):
-        """Store a cell's result under its key (replacing an earlier one)."""
-        self._write(puts=[(_RESULT + key.encode(), result)])
+    def put_run(self, results, name=None, record=None):
+        """Store a run's results ({cell key: result}) and, given a `name`, its record,
+        in one transaction (a commit is a flush to disk: one per run, not per cell)."""
+        puts = [(_RESULT + k.encode(), v) for k, v in results.items()]
+        if name is not None:
+            puts.append((_NOTEBOOK + name.encode("utf-8", "surrogateescape"), record))
+        self._write(puts=puts)
 
     def delete_results(self, keys):
         """Forget results (their states are the caller's to delete)."""
@@ -101,10 +106,6 @@ class NotebookStore:
     def records(self):
         """{notebook name: record} of every notebook."""
         return self._scan(_NOTEBOOK)
-
-    def put_record(self, name, record):
-        """Store the record of a notebook's last run."""
-        self._write(puts=[(_NOTEBOOK + name.encode("utf-8", "surrogateescape"), record)])
 
     def delete_records(self, names):
         """Forget notebooks' records."""

@@ -47,10 +47,11 @@ def backdate_results(data_dir, keys, days):
     store = Store(str(data_dir), config.load())
     try:
         notebooks = NotebookStore(store)
-        for key, result in notebooks.results(keys).items():
+        results = notebooks.results(keys)
+        for result in results.values():
             when = datetime.datetime.fromisoformat(result["created"])
             result["created"] = (when - datetime.timedelta(days=days)).isoformat()
-            notebooks.put_result(key, result)
+        notebooks.put_run(results)
     finally:
         store.env.close()
 

@@ -15,9 +15,14 @@ key of its composition.
 
 The record of a run (per cell: key, status, outputs, execution count,
 state) is kept in memory while the run goes on, for GET /notebooks/NAME,
-and stored when it ends.
+and stored when it ends, with the results of the cells that ran, in one
+transaction: a commit flushes to disk, and one per cell cost more than
+the run's other bookkeeping together. A run cut short by an error still
+stores its results; a crash of the server loses them (the cells' states
+stay until gc_states.py), and the cells run again.
 """
 
+import contextlib
 import datetime
 import threading
 import time
@@ -26,7 +31,7 @@ import uuid
 from kernel.errors import Conflict, InvalidRequest, KernelError, NotebookNotFound
 from kernel.notebook import analysis, graph as graph_mod, keys as keys_mod, planner
 from storage.notebooks import NotebookStore
-from storage.store import StoreFull
+from storage.store import StoreError, StoreFull
 
 # A cell's status in a run's answer; "pending" and "running" only while the run goes on.
 STATUSES = ("ran", "reused", "failed", "blocked", "not_run", "pending", "running")
@@ -85,6 +90,7 @@ class _Run:
         self.record = record
         self.stopped = False
         self.executing = False  # a cell is in Registry.execute
+        self.results = {}       # cell key -> result, stored when the run ends
 
 
 class Runner:
@@ -186,12 +192,16 @@ class Runner:
                     record["cells"][i]["key"] = key
             done = _Progress(self, run, progress)
             states = self._cells(run, graph, keys, stored, plan, sources, analyses, done)
-            final = self._final(graph, keys, states, analyses)
+            final = self._final(run, graph, keys, states, analyses)
             with self.lock:
                 record.update(state_name=final, running=False, finished=_now())
-            self.store.put_record(name, _stored_form(record))
+            self.store.put_run(run.results, name, _stored_form(record))
+            run.results = {}
             return _copy(record)
         finally:
+            if run.results:  # a run cut short keeps what its cells made
+                with contextlib.suppress(StoreError):
+                    self.store.put_run(run.results)
             with self.lock:
                 self.active.pop(name, None)
                 self.by_exec.pop(exec_id, None)
@@ -253,11 +263,11 @@ class Runner:
             state = answer["state_name"]
             states[i] = (state, answer["provenance"], set(answer["volatile_symbols"] or ()))
             previous = i
-            self.store.put_result(keys[i], {
+            run.results[keys[i]] = {
                 "key": keys[i], "kind": "cell", "state": state, "outputs": answer["output"],
                 "execution_count": answer["execution_count"],
                 "volatile": answer["volatile_symbols"] or [],
-                "provenance": answer["provenance"], "took_s": took, "created": _now()})
+                "provenance": answer["provenance"], "took_s": took, "created": _now()}
             done(i, status="ran", took_s=took, outputs=answer["output"],
                  execution_count=answer["execution_count"], state_name=state)
         return states
@@ -388,7 +398,7 @@ class Runner:
         except KernelError:  # deleted meanwhile (a reset): nothing to forget
             pass
 
-    def _final(self, graph, keys, states, analyses):
+    def _final(self, run, graph, keys, states, analyses):
         """The name of a state with every name as the run left it (composed if needed)."""
         source_of = {}
         for i in graph.order:
@@ -417,10 +427,9 @@ class Runner:
                 self._forget(temp)
         if state != f"{STATE_PREFIX}{key}":
             return state  # a cell's state holds the notebook's final names as they are
-        self.store.put_result(key, {"key": key, "kind": "composition", "state": state,
-                                    "outputs": [], "execution_count": None, "volatile": [],
-                                    "provenance": provenance, "took_s": None,
-                                    "created": _now()})
+        run.results[key] = {"key": key, "kind": "composition", "state": state,
+                            "outputs": [], "execution_count": None, "volatile": [],
+                            "provenance": provenance, "took_s": None, "created": _now()}
         return state
 
     def _expand(self, record):
