@@ -73,7 +73,7 @@ def _identity_keys(value, namespace):
         if isinstance(obj, atoms) or isinstance(obj, _SKIP) or obj is namespace:
             continue
         key = id(obj)
-        if key in seen and not (seen[key] and not guarded):
+        if key in seen and (guarded or not seen[key]):
             continue
         seen[key] = guarded
         if ndarray is not None and isinstance(obj, ndarray):
