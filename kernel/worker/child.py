@@ -54,6 +54,9 @@ class CellChild:
                     os._exit(0)
                 self.state.manifest = made
                 self.fork_holder()
+                trace.stamp("forked", msg.exec_id)
+                self.state.warm(wait=False)
+                trace.stamp("warmed", msg.exec_id)
                 msg = self.channel.recv()
             except (ChannelClosed, OSError):
                 os._exit(0)

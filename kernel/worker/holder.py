@@ -19,6 +19,7 @@ from kernel.channel import ChannelClosed
 from kernel.worker import replay
 from kernel.worker.process import WorkerProcess, become_worker, core_free
 from storage import snapshot
+from storage.store import encode_manifest
 
 # A spare child warms up only after this long without a request (see StateHolder.warm).
 WARM_AFTER_S = 0.05
@@ -149,28 +150,51 @@ class StateHolder(WorkerProcess):
                 os._exit(0)
             CellChild(self).run(msg)
 
-    def warm(self):
+    def warm(self, wait=True):
         """Touch what a cell run touches, so its pages are copied before the cell.
 
-        Only once no request came for WARM_AFTER_S and a core is free, and
-        step by step, stopping as soon as a request waits: in a notebook run
-        top to bottom the next cell comes within milliseconds and would wait
-        for the warm-up, and while cells keep every core busy the warm-up
-        would slow them down more than it saves (about 1 ms a cell).
+        A forked process shares its pages with its parent until it writes to
+        them, and each first write costs a page fault and a copy (about 0.5 to
+        2 ms for a trivial cell, more than the cell itself): rehearsing a cell
+        takes those faults before the request comes instead of after.
+
+        wait=True (a new spare): only once no request came for WARM_AFTER_S
+        and a core is free, and step by step, stopping as soon as a request
+        waits: in a notebook run top to bottom the next cell comes within
+        milliseconds and would wait for the warm-up, and while cells keep
+        every core busy the warm-up would slow them down more than it saves.
+        wait=False (the child that made the state, just after forking the
+        holder): at once, as its next cell would take the same faults; still
+        stopping as soon as a request waits.
         """
-        from kernel.worker.runner import compile_cell, run_cell
-        from storage import serializer
-        self.store()
-        scratch = {"__builtins__": self.namespace["__builtins__"]}
-        steps = (  # len(): an int result, which needs no IPython shell in a cold worker.
-            lambda: run_cell(compile_cell("_w = [1.0, 'x']\nlen(_w)", 0), scratch, 0,
-                             self.settings),
-            lambda: serializer.dumps([scratch.get("_w")], self.namespace, "",
-                                     self.settings["store.buffer_blob_min_bytes"]))
-        for step in steps:
-            while not select.select([self.channel], [], [], WARM_AFTER_S)[0]:
-                if core_free():
-                    break
-            else:
+        for step in self.rehearsal():
+            if wait:
+                while not select.select([self.channel], [], [], WARM_AFTER_S)[0]:
+                    if core_free():
+                        break
+                else:
+                    return
+            elif select.select([self.channel], [], [], 0)[0]:
                 return
             step()
+
+    def rehearsal(self):
+        """The steps of a throwaway cell: compile, read analysis, run, save (not written)."""
+        from kernel.worker import reads
+        from kernel.worker.runner import compile_cell, run_cell
+        self.store()
+        scratch = {"__builtins__": self.namespace["__builtins__"]}
+        # len(): an int result, which needs no IPython shell in a cold worker.
+        cell = compile_cell("_w = [1.0, 'x']\nlen(_w)", 0)
+
+        def save():
+            """Pickle, hash and look the scratch value up in the store, and encode a
+            manifest, as a save does; nothing is written."""
+            manifest = snapshot.new_manifest("", self.manifest, cell.source, 0)
+            snapshot.save_groups(self.store(), manifest, scratch, ["_w"], self.settings,
+                                 parent=self.manifest)
+            encode_manifest(manifest)
+
+        return (lambda: reads.analyse(cell.codes, scratch, set()),
+                lambda: run_cell(cell, scratch, 0, self.settings),
+                save)
