@@ -23,6 +23,7 @@ from kernel.config import ROOT
 from kernel.server.connections import Connections
 
 log = logging.getLogger("snapshot_kernel")
+PAGE_BYTES = os.sysconf("SC_PAGE_SIZE")
 
 
 class WorkerError(Exception):
@@ -54,6 +55,7 @@ class LiveState:
         self.forks_owed = 0  # spares asked for before the holder connected
         self.child_that_made_it = None  # while it is still an unused spare
         self.deadline = None if conn else time.monotonic() + connect_within
+        self.statm = None  # the holder's /proc/PID/statm, open once its memory is asked
 
     def alive(self):
         """False once the holder process is gone, or did not connect in time."""
@@ -71,8 +73,26 @@ class LiveState:
             return True
         return self.conn.send(protocol.Fork())
 
+    def rss(self):
+        """Resident memory of the holder in bytes (0 if it is gone or not connected).
+
+        Read again through a file kept open: every cell that makes a state sums
+        the live holders' memory (Pool._evict), and opening 16 files costs that
+        cell about 0.3 ms, reading them again 0.05 ms.
+        """
+        if self.conn is None:
+            return 0
+        try:
+            if self.statm is None:
+                self.statm = open(f"/proc/{self.conn.pid}/statm", "rb", buffering=0)
+            return int(os.pread(self.statm.fileno(), 128, 0).split()[1]) * PAGE_BYTES
+        except (OSError, IndexError, ValueError):
+            return 0
+
     def stop(self):
         """Kill the holder and its idle spares."""
+        if self.statm is not None:
+            self.statm.close()
         if self.conn is not None:
             self.conn.kill()
         while True:
@@ -413,8 +433,7 @@ class Pool:
                     return
                 over = len(self.live) > max_states
                 if not over:
-                    over = sum(rss(s.conn.pid) for s in self.live.values()
-                               if s.conn is not None) > max_bytes
+                    over = sum(s.rss() for s in self.live.values()) > max_bytes
                 if not over:
                     return
                 _, victim = self.live.popitem(last=False)
@@ -456,10 +475,3 @@ def zygote_env(base):
     return env
 
 
-def rss(pid):
-    """Resident memory of a process in bytes (0 if it is gone)."""
-    try:
-        with open(f"/proc/{pid}/statm") as f:
-            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    except (OSError, IndexError, ValueError):
-        return 0

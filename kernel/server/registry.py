@@ -180,7 +180,9 @@ class Registry:
         result, child = self.supervisor.run(manifest, request, on_output)
         answer = result.answer
         self._raise_store_error(answer.error, request.new_name)
-        if result.manifest is not None and not self._bind(result.manifest, child, generation):
+        kept = result.manifest is None or self._bind(result.manifest, child, generation)
+        trace.stamp("bound", request.exec_id)
+        if not kept:
             answer.state_name = None
             answer.error = protocol.error(
                 "StateDiscarded", "the store was reset while the cell ran; its new state "

@@ -25,6 +25,7 @@ import os
 import re
 import signal
 import tokenize
+import types
 
 from kernel.worker import capture
 
@@ -39,6 +40,12 @@ _CELL_FILE = re.compile(r"^<cell In\[(\d*)\] [^>]*>$")
 _MAYBE_IPYTHON = re.compile(r"[%!?]|\A[ \t]|^>>>|^\s*\.\.\.|^In \[", re.MULTILINE)
 
 _TOP_LEVEL_AWAIT = getattr(ast, "PyCF_ALLOW_TOP_LEVEL_AWAIT", 0)
+
+# Sources compiled in this process -> ((size, lines) of the Python source as linecache
+# holds them, code objects, uses_ipython, has_result), oldest first: a cell run again (a notebook's next run,
+# a chain of the same cell) skips IPython's transformer, the parse and the compile.
+_compiled = {}
+_COMPILED_MAX = 256
 
 
 class CompiledCell:
@@ -106,12 +113,38 @@ def _ends_with_semicolon(source):
 
 
 def compile_cell(source, execution_count):
-    """Compile a cell's source; never raises for the user's mistakes (see CompiledCell.error)."""
+    """Compile a cell's source; never raises for the user's mistakes (see CompiledCell.error).
+
+    A source compiled before in this process (or the process it was forked
+    from) is not parsed again: its code objects are copied under this
+    execution's file name.
+    """
+    known = _compiled.get(source)
+    if known is not None:
+        (size, lines), codes, uses_ipython, has_result = known
+        filename = cell_filename(execution_count)
+        linecache.cache[filename] = (size, None, lines, filename)
+        return CompiledCell(source, execution_count, filename,
+                            codes=[_renamed(code, filename) for code in codes],
+                            uses_ipython=uses_ipython, has_result=has_result)
     try:
-        return _compile(source, execution_count)
+        cell = _compile(source, execution_count)
     except Exception as exc:  # e.g. a transformer bug or a recursion limit: report, don't raise
         return CompiledCell(source, execution_count, cell_filename(execution_count),
                             error=error_dict(exc, execution_count))
+    if cell.error is None:
+        if len(_compiled) >= _COMPILED_MAX:
+            _compiled.pop(next(iter(_compiled)))
+        size, _, lines, _ = linecache.cache[cell.filename]
+        _compiled[source] = ((size, lines), cell.codes, cell.uses_ipython, cell.has_result)
+    return cell
+
+
+def _renamed(code, filename):
+    """`code` and the code nested in it, under another file name."""
+    consts = tuple(_renamed(c, filename) if isinstance(c, types.CodeType) else c
+                   for c in code.co_consts)
+    return code.replace(co_filename=filename, co_consts=consts)
 
 
 def _compile(source, execution_count):

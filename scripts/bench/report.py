@@ -158,6 +158,15 @@ after the cell. "ours vs X" is how many times better this server is
 (> 1× = better). A cell's own time in b3 is the plain `exec` time the dill
 baseline measured for it (display included).
 
+Workload a is a chain of `x += 1` as a person works: each cell runs from
+the state the cell before it made, back to back and then with a 0.3 s
+pause before each cell (what a cell waits for after a pause is what the
+machine let go cold meanwhile), next to an empty state, numeric DataFrames
+of growing size and DataFrames with a string column (10 MB with --quick;
+100 MB and 1 GB). Peers take turns cell by cell; a peer that needs more
+than a second for one such cell (dill dumping a large namespace) runs a
+chain of 3 cells instead.
+
 `--profile` runs this server alone with `server.trace_file` set (a
 `--config` file), so that each of its processes stamps the phases of every
 request (`kernel/trace.py`: CLOCK_MONOTONIC, one file); the bench adds its
@@ -165,7 +174,8 @@ own stamps for sending each request and reading its answer. With a
 request's stamps in time order across processes, it prints for each stamp
 the median time since the one before it (HTTP in, server to child,
 compile, run, save, answer, HTTP out, ...), per workload and pause
-between cells (`--gaps`; `--quick`: 10 cells each instead of 30).
+between cells (`--gaps`; `--quick`: 10 cells each instead of 30), each
+cell run from the state the one before made.
 
 The notebook workload (nb) runs this server alone (no other peer is
 started when it is the only workload) and compares POST /notebooks/run on
