@@ -825,12 +825,9 @@ def serve(host, port, s):
             worker through the queue); waiting here, the next request wakes one, which
             saves about 0.1 ms a request back to back and 0.5 ms after a pause.
             """
-            wait = s["server.keepalive_wait_s"]
             try:
-                while (wait and self.ssl_adapter is None and self.ready
-                       and self.requests.idle * 2 > self.requests.min
-                       and (conn.rfile.has_data()
-                            or select.select([conn.socket], [], [], wait)[0])):
+                while (self.ssl_adapter is None and self.requests.idle * 2 > self.requests.min
+                       and self._next_request(conn)):
                     if not conn.communicate():
                         conn.close()
                         return
@@ -840,6 +837,20 @@ def serve(host, port, s):
                 conn.close()
                 return
             super().put_conn(conn)
+
+        def _next_request(self, conn):
+            """True once `conn` has bytes to read within server.keepalive_wait_s (looked
+            at every 0.1 s, so that a stopping server does not wait for it)."""
+            deadline = time.monotonic() + s["server.keepalive_wait_s"]
+            while self.ready:
+                if conn.rfile.has_data():
+                    return True
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                if select.select([conn.socket], [], [], min(left, 0.1))[0]:
+                    return True
+            return False
 
     # A listen backlog of cheroot's default 5 drops connections of a burst of clients
     # (each then waits a 1 s SYN retry): let the kernel queue them.

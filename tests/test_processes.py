@@ -11,6 +11,8 @@ import time
 import psutil
 import pytest
 
+from kernel import trace
+
 
 def run_async(server, body):
     """POST /execute in a thread; returns (thread, holder list for the answer)."""
@@ -212,6 +214,27 @@ def test_next_cell_runs_in_the_process_that_made_its_state(make_server):
     while zombies():
         assert time.monotonic() < deadline, "the runner left its exited holders unreaped"
         time.sleep(0.05)
+
+
+def test_the_warm_up_between_cells_is_not_seen_by_the_users_cell_events(make_server,
+                                                                        tmp_path):
+    """The child that made a state rehearses a throwaway cell before the next one (its
+    page faults taken early): no IPython event callback of the user's runs for it."""
+    path = tmp_path / "trace.jsonl"
+    srv = make_server(config=f'[server]\ntrace_file = "{path}"\n')
+    state = "events"
+    srv.execute("ran = []\nget_ipython().events.register('post_run_cell', "
+                "lambda result: ran.append(1))", new=state, exec_id="events-0")
+    for i in (1, 2):
+        # The child that made the state has rehearsed by now (its stamp says so).
+        deadline = time.monotonic() + 30
+        while not any(s["phase"] == "warmed" and s["exec"] == f"events-{i - 1}"
+                      for s in trace.read(path)):
+            assert time.monotonic() < deadline, "no warm-up after the cell"
+            time.sleep(0.05)
+        out = srv.execute("len(ran)", state=state, new=f"events-{i}", exec_id=f"events-{i}")
+        assert out["output"][0]["data"]["text/plain"] == str(i)
+        state = f"events-{i}"
 
 
 def _leave_state_behind(srv, name):

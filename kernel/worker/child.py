@@ -57,6 +57,7 @@ class CellChild:
                 trace.stamp("forked", msg.exec_id)
                 self.state.warm(wait=False)
                 trace.stamp("warmed", msg.exec_id)
+                self.reap_holders()  # those stopped while this one was forked
                 msg = self.channel.recv()
             except (ChannelClosed, OSError):
                 os._exit(0)
@@ -155,13 +156,7 @@ class CellChild:
         in a notebook run top to bottom the next cell comes from this state
         within milliseconds and need not wait for a fork.
         """
-        # Holders forked earlier and since stopped: reaped by pid (a cell's own
-        # subprocesses are the cell's to wait for).
-        for pid in list(self.forked_holders):
-            with contextlib.suppress(ChildProcessError):
-                if os.waitpid(pid, os.WNOHANG)[0] == 0:
-                    continue
-            self.forked_holders.remove(pid)
+        self.reap_holders()
         gc.collect()  # the last cell's cyclic garbage, before freeze() would keep it
         gc.freeze()
         pid = os.fork()
@@ -176,6 +171,15 @@ class CellChild:
         except (ChannelClosed, OSError):
             os._exit(0)
         state.serve(state.reaper(), max(state.settings["workers.spare_children"] - 1, 0))
+
+    def reap_holders(self):
+        """Reap the holders this process forked that have stopped since (by pid: a
+        cell's own subprocesses are the cell's to wait for)."""
+        for pid in list(self.forked_holders):
+            with contextlib.suppress(ChildProcessError):
+                if os.waitpid(pid, os.WNOHANG)[0] == 0:
+                    continue
+            self.forked_holders.remove(pid)
 
     def multistate(self, msg):
         """Run a cell with other states' variables under aliases; store nothing."""

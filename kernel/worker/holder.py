@@ -8,6 +8,7 @@ forked and warmed in advance. The holder itself never runs a cell, so its
 state never changes.
 """
 
+import contextlib
 import gc
 import os
 import select
@@ -176,7 +177,8 @@ class StateHolder(WorkerProcess):
                     return
             elif select.select([self.channel], [], [], 0)[0]:
                 return
-            step()
+            with contextlib.suppress(Exception):  # a failed rehearsal only leaves pages cold
+                step()
 
     def rehearsal(self):
         """The steps of a throwaway cell: compile, read analysis, run, save (not written)."""
@@ -196,5 +198,5 @@ class StateHolder(WorkerProcess):
             encode_manifest(manifest)
 
         return (lambda: reads.analyse(cell.codes, scratch, set()),
-                lambda: run_cell(cell, scratch, 0, self.settings),
+                lambda: run_cell(cell, scratch, 0, self.settings, events=False),
                 save)

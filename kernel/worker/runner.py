@@ -378,7 +378,7 @@ def _sigint_deferred():
         signal.signal(signal.SIGINT, old)
 
 
-def run_cell(cell, namespace, execution_count, settings, sink=None):
+def run_cell(cell, namespace, execution_count, settings, sink=None, events=True):
     """Run a compiled cell in `namespace`; return (outputs, error) and never raise.
 
     `outputs` are nbformat v4 output dicts in the order the cell produced
@@ -393,6 +393,9 @@ def run_cell(cell, namespace, execution_count, settings, sink=None):
     it has one), or an update_display_data with its "transient"; and
     {"type": "clear_output", "wait": bool}. The error is not streamed: it
     comes with the result.
+
+    events=False (a worker's throwaway warm-up cell): IPython's cell events are
+    not triggered, so that no extension or callback of the user's sees the cell.
     """
     if cell.error is not None:
         return [], cell.error
@@ -405,7 +408,8 @@ def run_cell(cell, namespace, execution_count, settings, sink=None):
     info = value = failure = None
     try:
         try:
-            info = capture.pre_run_events(cell.source)
+            if events:
+                info = capture.pre_run_events(cell.source)
             for code in cell.codes:
                 value = _run_code(code, namespace)
             if cell.has_result and value is not None:
@@ -415,7 +419,8 @@ def run_cell(cell, namespace, execution_count, settings, sink=None):
         except BaseException as exc:  # the cell's error, whatever it is
             failure = exc
             error = _safe_error(exc, execution_count)
-        capture.post_run_events(info, cell.source, failure, value)
+        if events:
+            capture.post_run_events(info, cell.source, failure, value)
     except BaseException as exc:  # an interrupt just after the cell, or a failing hook
         if error is None:
             error = _safe_error(exc, execution_count)
