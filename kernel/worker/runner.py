@@ -42,8 +42,9 @@ _MAYBE_IPYTHON = re.compile(r"[%!?]|\A[ \t]|^>>>|^\s*\.\.\.|^In \[", re.MULTILIN
 _TOP_LEVEL_AWAIT = getattr(ast, "PyCF_ALLOW_TOP_LEVEL_AWAIT", 0)
 
 # Sources compiled in this process -> ((size, lines) of the Python source as linecache
-# holds them, code objects, uses_ipython, has_result), oldest first: a cell run again (a notebook's next run,
-# a chain of the same cell) skips IPython's transformer, the parse and the compile.
+# holds them, code objects, uses_ipython, has_result), oldest first: a cell run again
+# (a notebook's next run, a chain of the same cell) skips IPython's transformer, the
+# parse and the compile.
 _compiled = {}
 _COMPILED_MAX = 256
 
