@@ -168,10 +168,6 @@ class CellChild:
         state.channel.close()
         try:
             state.connect(protocol.HOLDER, state_id=state.manifest["id"])
-            # The pages a cell writes are copied here rather than in this process's
-            # parent, which takes the next cell: its own writes to them then find
-            # them no longer shared, and cost it a fault but no copy.
-            state.warm(wait=False)
         except (ChannelClosed, OSError):
             os._exit(0)
         state.serve(state.reaper(), max(state.settings["workers.spare_children"] - 1, 0))
