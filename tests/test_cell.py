@@ -42,6 +42,17 @@ def test_traceback_shows_cell_lines_and_hides_kernel_frames(server):
     assert text.rstrip().endswith("ZeroDivisionError: division by zero")
 
 
+def test_a_cell_run_again_names_its_own_execution_in_tracebacks(server):
+    """The same source run again (compiled once per process, kernel/worker/runner.py)
+    still shows its own In[n], lines and nested functions in a traceback."""
+    code = "def inverse(a):\n    return 1 / a\nn -= 1\ninverse(n)"
+    r = run(server, "n = 2", code, code)
+    assert r[1]["error"] is None and r[1]["output"][0]["data"]["text/plain"] == "1.0"
+    text = "\n".join(r[2]["error"]["traceback"])
+    assert "Cell In[3], line 4" in text and "----> 4 inverse(n)" in text
+    assert "Cell In[3], line 2, in inverse(a)" in text and "----> 2     return 1 / a" in text
+
+
 def test_syntax_error_shows_line_and_caret(server):
     """A SyntaxError is an error result with the line and a caret; no state is made."""
     (r,) = run(server, "x = 1\ny = (2 +\n")
