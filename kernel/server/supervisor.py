@@ -63,8 +63,10 @@ class Supervisor:
             if run.stopped:
                 run.child.kill()
                 return request.failed(protocol.error(*run.stopped)), None
-            run.child.send(request)
+            # Stamped before the send: the child may stamp "received" before this thread
+            # runs again.
             trace.stamp("sent", key)
+            run.child.send(request)
             run.started = time.monotonic()  # cell_timeout_s counts the cell, not a restore
             result = self._wait(run, request, on_output)
             trace.stamp("answer", key)

@@ -29,8 +29,8 @@ from kernel import trace  # noqa: E402
 # What happens before a stamp of each phase, from the usual stamp before it.
 PHASES = {
     "request": "HTTP in: the request reaches its route",
-    "sent": "server: a child for the state, the request sent to it",
-    "received": "server → child: the child has the request",
+    "sent": "server: a child for the state, the request about to be sent",
+    "received": "server → child: the request sent, and read by the child",
     "compiled": "child: compile (read analysis)",
     "ran": "child: run the cell",
     "saved": "child: save the state",
