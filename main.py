@@ -16,7 +16,6 @@ import json
 import logging
 import os
 import queue
-import select
 import signal
 import sys
 import threading
@@ -815,42 +814,6 @@ def serve(host, port, s):
                 self._connections.put(conn)
                 return
             super().process_conn(conn)
-
-        def put_conn(self, conn):
-            """A kept-alive connection after its answer: its thread waits for the next
-            request itself for server.keepalive_wait_s, while more than half of the
-            threads are free, before the selector takes it back.
-
-            The selector's way wakes two threads per request (the selector's, then a
-            worker through the queue); waiting here, the next request wakes one, which
-            saves about 0.1 ms a request back to back and 0.5 ms after a pause.
-            """
-            try:
-                while (self.ssl_adapter is None and self.requests.idle * 2 > self.requests.min
-                       and self._next_request(conn)):
-                    if not conn.communicate():
-                        conn.close()
-                        return
-            except (KeyboardInterrupt, SystemExit):
-                raise
-            except Exception:  # as cheroot's worker does: drop the connection, keep the thread
-                conn.close()
-                return
-            super().put_conn(conn)
-
-        def _next_request(self, conn):
-            """True once `conn` has bytes to read within server.keepalive_wait_s (looked
-            at every 0.1 s, so that a stopping server does not wait for it)."""
-            deadline = time.monotonic() + s["server.keepalive_wait_s"]
-            while self.ready:
-                if conn.rfile.has_data():
-                    return True
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    return False
-                if select.select([conn.socket], [], [], min(left, 0.1))[0]:
-                    return True
-            return False
 
     # A listen backlog of cheroot's default 5 drops connections of a burst of clients
     # (each then waits a 1 s SYN retry): let the kernel queue them.
