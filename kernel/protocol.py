@@ -49,7 +49,10 @@ class Spawn:
 
 @dataclass(frozen=True)
 class Fork:
-    """Holder: fork one more spare child."""
+    """Holder: fork one more spare child; `now` False: a replacement for a spare just
+    taken, which a holder still loading its state forks once it is loaded (so that it
+    holds the whole state, not a part its next cell might load again)."""
+    now: bool = True
 
 
 # Server -> spare child: the requests ------------------------------------------------

@@ -45,7 +45,7 @@ def allocate(size):
     return buffer
 
 
-def _address(view):
+def buffer_address(view):
     """Start address of a contiguous buffer, or None if it cannot be told."""
     try:
         import numpy
@@ -69,7 +69,7 @@ def remember(view, keys, chunk):
     `ndarray.resize` allows); a buffer loaded from the store is not the
     user's object and is held strongly, until `keep_only` drops it.
     """
-    address = _address(view)
+    address = buffer_address(view)
     if address is None or view.nbytes < _PAGE:
         return
     owner = view.obj
@@ -86,7 +86,7 @@ def known_keys(view, chunk):
     """Per `chunk`-byte piece of `view`: its blob key if its memory is unchanged
     since the fork, else None. One page-map read serves the whole buffer."""
     spans = _spans(view.nbytes, chunk)
-    address = _address(view)
+    address = buffer_address(view)
     if address is None:
         return [None] * len(spans)
     found = [_known.get((address + offset, size)) for offset, size in spans]
@@ -127,7 +127,7 @@ def _covers(owner, address, size):
         view = memoryview(owner)
     except TypeError:
         return False
-    start = _address(view)
+    start = buffer_address(view)
     return start is not None and start <= address and address + size <= start + view.nbytes
 
 

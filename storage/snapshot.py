@@ -13,11 +13,13 @@ import sys
 import types
 import uuid
 
-from storage import pages, serializer
+from storage import pages, serializer, threads
 from storage.groups import alias_groups
 from storage.store import StoreCorrupt
 
 PYTHON = f"{sys.implementation.name}-{sys.version_info[0]}.{sys.version_info[1]}"
+# Chunks of a buffer being restored that the disk is asked for ahead of the one read.
+_PREFETCH = 32
 
 
 def is_user_name(name):
@@ -57,22 +59,35 @@ def _sha(data):
     return hashlib.sha256(data).hexdigest()
 
 
-def _chunks(pickled, chunk):
+def _chunks(pickled, chunk, workers=1, hashed=None):
     """Split out-of-band buffers into chunks: [(piece, key)] and chunks per buffer.
 
     Each chunk is a blob of its own, so a changed column of a 2-D pandas
     block costs its own chunks, not the block. A chunk whose pages are
-    still shared with the parent state keeps its key without hashing.
+    still shared with the parent state keeps its key without hashing; the
+    others are hashed on `workers` threads, and hashed(piece, key) is
+    called for each as soon as it is (a large state's blobs are written
+    meanwhile: Store.records).
     """
-    pieces, layout = [], []
+    known, layout = [], []
     for view in pickled.buffers:
-        keys = []
-        for start, known in zip(range(0, view.nbytes, chunk), pages.known_keys(view, chunk)):
-            piece = view[start:start + chunk]
-            keys.append(known or _sha(piece))
-            pieces.append((piece, keys[-1]))
-        pages.remember(view, keys, chunk)
+        keys = pages.known_keys(view, chunk)
+        known += [(view[start:start + chunk], key)
+                  for start, key in zip(range(0, view.nbytes, chunk), keys)]
         layout.append(len(keys))
+    todo = [piece for piece, key in known if key is None]
+    new = threads.ordered(_sha, todo, workers if len(todo) > 1 else 1)
+    pieces = []
+    for piece, key in known:
+        if key is None:
+            key = next(new)
+            if hashed is not None:
+                hashed(piece, key)
+        pieces.append((piece, key))
+    at = 0
+    for view, count in zip(pickled.buffers, layout):
+        pages.remember(view, [key for _, key in pieces[at:at + count]], chunk)
+        at += count
     return pieces, layout
 
 
@@ -83,7 +98,8 @@ def _digest(pickled, payload_key, pieces, layout):
 
 
 def _pickle_group(values, namespace, class_tag, settings, records, store):
-    """Serialize one group; return its entry and add new blob records.
+    """Serialize one group; return its entry and add the payloads of new blobs to
+    `records`.
 
     A buffer of one chunk is referred to by the chunk's key; a longer one by
     the key of a chunk list (the chunks' keys, 32 bytes each), so the
@@ -92,7 +108,14 @@ def _pickle_group(values, namespace, class_tag, settings, records, store):
     pickled = serializer.dumps(values, namespace, class_tag,
                                settings["store.buffer_blob_min_bytes"])
     key = _sha(pickled.payload)
-    pieces, layout = _chunks(pickled, settings["store.chunk_bytes"])
+
+    def hashed(piece, k):
+        """A new chunk goes to the records (and so, for a large state, to the store) now."""
+        if k not in records and store.missing([k]):
+            records[k] = piece
+
+    pieces, layout = _chunks(pickled, settings["store.chunk_bytes"], settings["store.threads"],
+                             hashed)
     blobs = {key: pickled.payload}
     blobs.update((k, piece) for piece, k in pieces)
     buffers, chunk_keys = [], iter([k for _, k in pieces])
@@ -106,7 +129,7 @@ def _pickle_group(values, namespace, class_tag, settings, records, store):
             blobs[buffers[-1]] = listing
     new = store.missing(blobs) - records.keys()
     for k in new:
-        records[k] = store.encode(blobs[k])
+        records[k] = blobs[k]
     return {"key": key, "buffers": buffers, "layout": layout, "pickler": pickled.pickler,
             "fingerprint": _digest(pickled, key, pieces, layout)}
 
@@ -115,7 +138,8 @@ def save_groups(store, manifest, namespace, dirty, settings, class_tag="", paren
                 rebound=None):
     """Group, pickle and hash the `dirty` names of `namespace` into `manifest`.
 
-    Returns the blob records to write. Values neither pickler can store
+    Returns the payloads of the blobs to write ({key: bytes-like}, encoded
+    as they are written: `commit`). Values neither pickler can store
     become volatile: listed in the manifest, kept live by the holder, with
     the code that makes them again: this cell's, unless the value was volatile
     in `parent` already and the cell did not rebind it (it is not in
@@ -125,7 +149,7 @@ def save_groups(store, manifest, namespace, dirty, settings, class_tag="", paren
     """
     before = {(g["fingerprint"], tuple(g["members"])): g for g in (parent or {}).get("groups", [])}
     limit = settings["store.repr_max_chars"]
-    records = {}
+    records = store.records()
     values = {}
     for name in dirty:
         value = namespace[name]
@@ -182,7 +206,7 @@ def _value_hash(value, namespace, class_tag, settings):
     """The symbol hash of one value on its own (for members of larger groups)."""
     pickled = serializer.dumps([value], namespace, class_tag,
                                settings["store.buffer_blob_min_bytes"])
-    pieces, layout = _chunks(pickled, settings["store.chunk_bytes"])
+    pieces, layout = _chunks(pickled, settings["store.chunk_bytes"], settings["store.threads"])
     return _digest(pickled, _sha(pickled.payload), pieces, layout)
 
 
@@ -200,9 +224,9 @@ def carry(manifest, parent, groups, module_names, volatile_names):
         manifest["variables"][name] = parent["variables"][name]
 
 
-def commit(store, manifest, records):
+def commit(store, manifest, payloads):
     """Write a new state, then forget buffer keys the state no longer holds."""
-    store.put_state(manifest["name"], manifest, records)
+    store.write_state(manifest["name"], manifest, payloads)
     pages.keep_only(store.referenced(manifest))
 
 
@@ -257,9 +281,9 @@ def load_group(store, group, namespace, state):
 def _assemble(store, keys):
     """One writable buffer from its chunks, each chunk's key remembered.
 
-    Chunks are copied in one at a time (the state's save made every chunk
-    but the last the same size), so a restore needs the buffer's memory
-    once, not twice.
+    Each chunk is verified and written (decompressed) straight into its
+    place, so a restore needs the buffer's memory once, not twice (the
+    state's save made every chunk but the last the same size).
     """
     if len(keys) <= 1:
         buffer = store.blob(keys[0]) if keys else bytearray()
@@ -270,12 +294,16 @@ def _assemble(store, keys):
     buffer = pages.allocate(chunk * (len(keys) - 1) + len(last))
     view = memoryview(buffer)
     view[:chunk] = first
-    for i, key in enumerate(keys[1:-1], 1):
-        part = store.blob(key)
-        if len(part) != chunk:
-            raise StoreCorrupt(f"chunk {key} of a buffer has {len(part)} bytes, not {chunk}")
-        view[i * chunk:(i + 1) * chunk] = part
     view[len(view) - len(last):] = last
+    store.prefetch(keys[1:1 + _PREFETCH])
+
+    def read(i):
+        """Chunk i into its place, the one _PREFETCH chunks on asked for meanwhile."""
+        store.prefetch(keys[i + _PREFETCH:i + _PREFETCH + 1])
+        store.read_into(keys[i], view[i * chunk:(i + 1) * chunk])
+
+    for _ in threads.ordered(read, range(1, len(keys) - 1), store.threads):
+        pass
     pages.remember(view, keys, chunk)
     return buffer
 

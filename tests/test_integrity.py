@@ -17,10 +17,11 @@ import zstandard
 from conftest import ROOT, run_script
 from storage.store import Store
 
-# A 2.4 MB array of floats (stored zstd-compressed, in 1 MiB chunks) and one of
-# random 64-bit integers (incompressible: stored raw).
+# A 2.4 MB array of floats that shrink (halves of small integers: stored
+# zstd-compressed, in 1 MiB chunks) and one of random 64-bit integers
+# (incompressible: stored raw, as random floats are).
 VALUES = {
-    "compressed": "np.random.default_rng(1).random(300_000)",
+    "compressed": "np.random.default_rng(1).integers(0, 1000, 300_000) * 0.5",
     "raw": "np.random.default_rng(2).integers(0, 2**62, 300_000)",
 }
 FLAGS = {"compressed": b"Z", "raw": b"H"}

@@ -63,15 +63,16 @@ class LiveState:
             return time.monotonic() < self.deadline
         return self.conn.alive
 
-    def ask_fork(self):
+    def ask_fork(self, now=True):
         """Ask the holder for one more spare (or once it connects); False if it is gone.
+        `now` False: a replacement, which a holder still loading forks once loaded.
 
         Called with the pool's lock held (see Pool._attach).
         """
         if self.conn is None:
             self.forks_owed += 1
             return True
-        return self.conn.send(protocol.Fork())
+        return self.conn.send(protocol.Fork(now))
 
     def rss(self):
         """Resident memory of the holder in bytes (0 if it is gone or not connected).
@@ -284,8 +285,11 @@ class Pool:
             conn.kill()
             msg = msg or protocol.Failed("WorkerDied", "the worker restoring the state died")
             raise WorkerError(msg.ename, msg.evalue)
-        return self._adopt(manifest["id"], LiveState(manifest["id"], conn,
-                                                     cold=not zygote.hello.warm))
+        # A cold holder is replaced once the warm zygote is up, unless restoring its
+        # state again would cost more than the imports its cells miss.
+        cold = not zygote.hello.warm and buffer_bytes(manifest, self.settings) < (
+            self.settings["workers.rewarm_max_mb"] * 2 ** 20)
+        return self._adopt(manifest["id"], LiveState(manifest["id"], conn, cold=cold))
 
     def adopt_made(self, state_id, child):
         """The state `state_id` was made by `child`'s cell: it stays as the first spare,
@@ -370,7 +374,7 @@ class Pool:
                 live.child_that_made_it = None
                 self.owed_when_quiet.add(live)
             else:
-                live.ask_fork()
+                live.ask_fork(now=False)
 
     def cell_done(self):
         """A request that `take_child` served is over; once none has run for
@@ -401,7 +405,7 @@ class Pool:
             owed, self.owed_when_quiet = self.owed_when_quiet, set()
             for live in owed:
                 if live.alive() and self.live.get(live.state_id) is live:
-                    live.ask_fork()
+                    live.ask_fork(now=False)
 
     def retire(self, state_id):
         """Stop the holder of a state no name points to any more (or never adopted)."""
@@ -475,3 +479,7 @@ def zygote_env(base):
     return env
 
 
+def buffer_bytes(manifest, settings):
+    """About how many bytes the large buffers of a state hold (chunks x chunk size)."""
+    chunks = sum(sum(group.get("layout") or []) for group in manifest["groups"])
+    return chunks * settings["store.chunk_bytes"]

@@ -15,7 +15,7 @@ import select
 import signal
 import traceback
 
-from kernel import protocol
+from kernel import protocol, trace
 from kernel.channel import ChannelClosed
 from kernel.worker import replay
 from kernel.worker.process import WorkerProcess, become_worker, core_free
@@ -36,8 +36,11 @@ class StateHolder(WorkerProcess):
         self.manifest = manifest
         self.unloaded_groups = list(manifest["groups"])
         self.unloaded_volatile = set(manifest["volatile"])
-        self.modules_loaded = False
+        # Imported only when a cell needs them or in the background: `x += 1` on a
+        # restored state must not wait for pandas to import.
+        self.unloaded_modules = set(manifest["modules"])
         self.load_in_background = True
+        self.forks_deferred = 0  # replacement spares to fork once the state is loaded
 
     # Loading -------------------------------------------------------------
 
@@ -48,12 +51,11 @@ class StateHolder(WorkerProcess):
     def unloaded_names(self):
         """Names of variables not loaded yet."""
         names = {m for g in self.unloaded_groups for m in g["members"]}
-        return names | self.unloaded_volatile | (
-            set() if self.modules_loaded else set(self.manifest["modules"]))
+        return names | self.unloaded_volatile | self.unloaded_modules
 
     def load(self, names=None):
         """Load the groups holding `names` (all when None), modules, volatiles."""
-        self.load_modules()
+        self.load_modules(names)
         keep = []
         for group in self.unloaded_groups:
             if names is None or not names.isdisjoint(group["members"]):
@@ -69,25 +71,39 @@ class StateHolder(WorkerProcess):
                             self.unloaded_volatile)
             self.unloaded_volatile = set()
 
-    def load_modules(self):
-        """Import the state's module variables if not done yet."""
-        if not self.modules_loaded:
-            snapshot.load_modules(self.manifest, self.namespace)
-            self.modules_loaded = True
+    def load_modules(self, names=None):
+        """Import the state's module variables among `names` (all when None) not
+        imported yet."""
+        wanted = self.unloaded_modules if names is None else self.unloaded_modules & names
+        if wanted:
+            snapshot.load_modules(self.manifest, self.namespace, wanted)
+            self.unloaded_modules -= wanted
 
     def load_step(self):
         """Load one unloaded group between messages; on failure leave it to the cells."""
         try:
-            if self.unloaded_groups:
+            if self.unloaded_modules:
+                self.load_modules()
+            elif self.unloaded_groups:
                 snapshot.load_group(self.store(), self.unloaded_groups[0], self.namespace,
                                     self.manifest["name"])
                 self.unloaded_groups.pop(0)
             elif self.unloaded_volatile:
                 self.load(set(self.unloaded_volatile))
+            if not self.unloaded_names():
+                trace.stamp("loaded", self.manifest["name"])
+                self.fork_deferred()
         except Exception:
             # A child that needs the value retries and reports the error itself.
             self.load_in_background = False
             self.channel.send(protocol.Log(traceback.format_exc()))
+            self.fork_deferred()
+
+    def fork_deferred(self):
+        """Fork the replacement spares asked for while the state was loading."""
+        while self.forks_deferred:
+            self.forks_deferred -= 1
+            self.fork_child()
 
     # Holder loop ---------------------------------------------------------
 
@@ -113,7 +129,7 @@ class StateHolder(WorkerProcess):
         for _ in range(spares):
             self.fork_child()
         while True:
-            busy = self.load_in_background and (self.unloaded_groups or self.unloaded_volatile)
+            busy = self.load_in_background and self.unloaded_names()
             ready, _, _ = select.select([self.channel, wake], [], [], 0 if busy else None)
             if wake in ready:
                 self.reap(wake)
@@ -122,7 +138,11 @@ class StateHolder(WorkerProcess):
                     msg = self.channel.recv()
                 except ChannelClosed:
                     self.leave()
-                if isinstance(msg, protocol.Fork):
+                if isinstance(msg, protocol.Fork) and not msg.now and busy:
+                    self.forks_deferred += 1
+                elif isinstance(msg, protocol.Fork):
+                    # A cell waits for this one; it stands for a deferred one too.
+                    self.forks_deferred = max(self.forks_deferred - 1, 0)
                     self.fork_child()
             elif not ready:
                 self.load_step()

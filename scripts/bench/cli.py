@@ -68,8 +68,8 @@ def main(argv=None):
     for title, text in details:
         print(f"\n{title}\n{text}")
     print(f"\n{p['mode']} run took {seconds / 60:.1f} min")
-    if not args.no_write and only in (None, {"nb"}):
-        # The notebook workload alone has a section of its own.
-        mode = "notebook" if only == {"nb"} else p["mode"]
+    if not args.no_write and only in (None, {"nb"}, {"s"}):
+        # The notebook and the scaling workloads alone have a section of their own.
+        mode = {None: p["mode"], "nb": "notebook", "s": "scaling"}[only and min(only)]
         write_markdown(args.out, dict(p, mode=mode), table, details, seconds, mach)
         print(f"wrote {args.out}")

@@ -3,7 +3,8 @@
 import os
 import statistics
 
-OWNED = ("How to run", "Results: quick", "Results: full", "Results: notebook")
+OWNED = ("How to run", "Results: quick", "Results: full", "Results: notebook",
+         "Results: scaling")
 
 
 def fmt_size(n):
@@ -132,6 +133,7 @@ python scripts/bench.py            # under 30 minutes: states up to 1 GB, 7 runs
 python scripts/bench.py --only a,b3 --no-write    # some workloads, print only
 python scripts/bench.py --profile  # this server only: median ms of each phase of a cell
 python scripts/bench.py --only nb  # notebook runs against nbclient + ipykernel
+python scripts/bench.py --only s   # this server only: costs by state size, 0 B to 4 GB
 ```
 
 The script (its parts are in `scripts/bench/`: `peers.py`, `workloads.py`,
@@ -181,7 +183,17 @@ The notebook workload (nb) runs this server alone (no other peer is
 started when it is the only workload) and compares POST /notebooks/run on
 a 30-cell data notebook with nbclient running the same notebook in
 ipykernel; run alone (`--only nb`) it writes the section "Results:
-notebook"."""
+notebook".
+
+The scaling workload (s, `scaling.py`) runs only when named: this server
+alone, on states of 0 B to 4 GB (`--quick`: to 100 MB), each a DataFrame of
+six float columns and an Arrow-backed string column. For each it gives
+`x += 1` (median), the first save (the make cell's round trip minus the
+time its `make()` took, measured in the cell; the same `make()` in a plain
+interpreter is shown beside it), the store's growth, a restart's
+first answer and full load (server start to the holder's `loaded` trace
+stamp: every variable of the state in its memory) and the workers' PSS;
+run alone (`--only s`) it writes the section "Results: scaling"."""
 
 
 def write_markdown(path, p, table, details, seconds, mach):

@@ -1,5 +1,5 @@
-"""The workloads (a to g, and nb from `notebook`): each runs on every peer it applies to
-and adds rows to the table.
+"""The workloads (a to g, nb from `notebook`, s from `scaling`): each runs on every peer it
+applies to and adds rows to the table.
 
 `plan()` says what a run measures; `run()` starts the peers and runs the
 workloads asked for, in the order of `WORKLOADS`.
@@ -15,6 +15,7 @@ import time
 from bench.notebook import wl_notebook
 from bench.peers import Dill, Ipykernel, Ours, Reference, added_bytes
 from bench.report import Table, fmt_ms, fmt_size, median
+from bench.scaling import wl_scaling
 
 MB = 10 ** 6
 PAUSE_S = 0.3  # a person's pause before a cell (workload a)
@@ -405,15 +406,18 @@ NO_STORE = {"ref": "n/a (no store)", "ipykernel": "n/a (no store)"}
 # nb last, as it resets this server (every state gone).
 WORKLOADS = {"g": wl_start_memory, "a": wl_trivial, "e": wl_metadata, "b1": wl_append,
              "b2": wl_update, "b3": wl_read, "f": wl_parallel, "c": wl_interrupt,
-             "d": wl_restart, "nb": wl_notebook}
+             "d": wl_restart, "nb": wl_notebook, "s": wl_scaling}
 # Workloads that measure this server alone: run only these and no other peer is started.
-OURS_ONLY = {"nb"}
+OURS_ONLY = {"nb", "s"}
+# Workloads run only when named (--only): s makes states of up to 4 GB and takes minutes.
+NAMED_ONLY = {"s"}
 
 
 def run(p, only, venv, keep_dir, ours_args=()):
     """Start the peers, run the workloads; return (table, details, seconds)."""
     started = time.perf_counter()
-    wanted = [w for w in WORKLOADS if only is None or w in only]
+    wanted = [w for w in WORKLOADS if w in only] if only else [
+        w for w in WORKLOADS if w not in NAMED_ONLY]
     workdir = tempfile.mkdtemp(prefix="snapshot-bench-")
     peers = [Ours(workdir, extra_args=ours_args)]
     if not set(wanted) <= OURS_ONLY:
