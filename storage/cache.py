@@ -42,6 +42,7 @@ import concurrent.futures
 import hashlib
 import os
 import struct
+import threading
 import time
 
 from storage.remote import RemoteStore
@@ -82,6 +83,7 @@ class CachedStore(Store):
         self.claim_s = settings["store.remote_timeout_s"] * settings["store.remote_attempts"]
         self._pending = {}  # records of the state being published, not yet in LMDB
         self._chunk_of = {}  # chunk key -> (its chunk list, its place), for reading ahead
+        self._fetching = threading.Lock()  # read_into's fetches, one thread at a time
 
     # Read through --------------------------------------------------------
 
@@ -100,6 +102,21 @@ class CachedStore(Store):
             listing, at = self._chunk_of.get(key, ([key], 0))
             self.fetch(listing[at:at + 2 * self.parallel])
         return super().blob(key)
+
+    def read_into(self, key, target):
+        """Blob `key` into `target` (see Store.read_into): from the cache, else fetched
+        from the remote first, with the chunks after it (see blob). A restore reads
+        on several threads; one of them fetches at a time."""
+        if key in self._pending:
+            target[:] = self.blob(key)
+            return
+        with self._fetching:
+            for _ in range(2):  # a second time if it was evicted at once (a tiny cache)
+                if not self.missing([key]):
+                    break
+                listing, at = self._chunk_of.get(key, ([key], 0))
+                self.fetch(listing[at:at + 2 * self.parallel])
+        super().read_into(key, target)
 
     def chunk_list(self, key):
         """The chunk keys of a chunk list, remembered for reading ahead (see blob)."""
