@@ -59,8 +59,8 @@ def main(argv=None):
         args.no_write = True  # results of a non-default configuration are not the table
     p = plan(args.quick)
     now = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
-    mach = (f"{machine()}, {now}; commit {revision()}; shared with other jobs, "
-            "so figures are noisy")
+    mach = (f"{machine()}, {now}; commit {revision()}; shared with other jobs (load "
+            f"average {os.getloadavg()[0]:.1f} at the start), so figures are noisy")
     print(f"{p['mode']} run on {mach}", flush=True)
     table, details, seconds = run(p, only, args.venv, args.keep, ours_args)
     print()
