@@ -54,6 +54,7 @@ class LiveState:
         self.spares = queue.Queue()
         self.forks_owed = 0  # spares asked for before the holder connected
         self.child_that_made_it = None  # while it is still an unused spare
+        self.first_spare_coming = False  # restored: its holder is forking its first spare
         self.deadline = None if conn else time.monotonic() + connect_within
         self.statm = None  # the holder's /proc/PID/statm, open once its memory is asked
 
@@ -289,7 +290,9 @@ class Pool:
         # state again would cost more than the imports its cells miss.
         cold = not zygote.hello.warm and buffer_bytes(manifest, self.settings) < (
             self.settings["workers.rewarm_max_mb"] * 2 ** 20)
-        return self._adopt(manifest["id"], LiveState(manifest["id"], conn, cold=cold))
+        live = LiveState(manifest["id"], conn, cold=cold)
+        live.first_spare_coming = self.settings["workers.spare_children"] > 0
+        return self._adopt(manifest["id"], live)
 
     def adopt_made(self, state_id, child):
         """The state `state_id` was made by `child`'s cell: it stays as the first spare,
@@ -338,8 +341,13 @@ class Pool:
                 child = live.spares.get_nowait()
             except queue.Empty:
                 with self.lock:
-                    asked = live.ask_fork()
-                    if asked and live in self.owed_when_quiet:
+                    # A restored holder forks its first spare on its own: that one, not
+                    # one more (an extra spare forked while the holder loads would hold
+                    # part of the state, and a later cell would load the rest again).
+                    coming = live.first_spare_coming and live.alive()
+                    live.first_spare_coming = False
+                    asked = coming or live.ask_fork()
+                    if asked and not coming and live in self.owed_when_quiet:
                         # The state is run from again: its owed spare is due now.
                         self.owed_when_quiet.discard(live)
                         live.ask_fork()
@@ -349,7 +357,10 @@ class Pool:
                     child = live.spares.get(timeout=timeout)
                 except queue.Empty:
                     raise WorkerError("WorkerStartFailed", "no child process arrived") from None
+                if coming:
+                    self._replace(live, child)
             else:
+                live.first_spare_coming = False
                 self._replace(live, child)
             if child.idle():
                 with self.lock:

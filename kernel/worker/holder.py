@@ -59,6 +59,8 @@ class StateHolder(WorkerProcess):
         keep = []
         for group in self.unloaded_groups:
             if names is None or not names.isdisjoint(group["members"]):
+                # In a cell's child: a value its holder had not loaded when it forked it.
+                trace.stamp("loading", self.manifest["name"])
                 snapshot.load_group(self.store(), group, self.namespace,
                                     self.manifest["name"])
             else:
