@@ -114,7 +114,8 @@ class _GroupPickler(cloudpickle.Pickler):
         self._arrow_array = getattr(arrays, "ArrowExtensionArray", None)
 
     def reducer_override(self, obj):
-        """Reduce cell functions, notebook classes and numpy views our way."""
+        """Reduce cell functions, notebook classes, numpy views and Arrow-backed pandas
+        arrays our way."""
         if isinstance(obj, types.FunctionType) and obj.__globals__ is self._namespace:
             cells = tuple(_cell_value(c) for c in obj.__closure__ or ())
             state = (cells, obj.__defaults__, obj.__kwdefaults__, obj.__qualname__,
