@@ -1,4 +1,5 @@
-"""Races the kernel must win: a cell that forks, a burst of first cells, a reset mid-run."""
+"""Races the kernel must win: a cell that forks, a burst of first cells, a reset mid-run,
+an eviction while requests wait for the evicted holder."""
 
 import concurrent.futures
 import json
@@ -6,6 +7,8 @@ import threading
 import time
 
 import requests
+
+from kernel import trace
 
 
 def test_a_process_forked_by_a_cell_never_answers_or_stores(server):
@@ -83,3 +86,62 @@ def test_cells_finishing_after_a_reset_say_their_state_was_discarded(make_server
         assert srv.get(f"/states/during-{i}").status_code == 404
     # The server carries on.
     assert srv.execute("z = 2", new="after-reset")["state_name"] == "after-reset"
+
+
+def test_requests_waiting_for_a_spare_of_an_evicted_state_are_served(make_server, tmp_path):
+    # max_live_states = 1: a cell from `initial` evicts the holder of `slow` while
+    # requests wait for that holder's next spare (the holder is busy unpickling `slow`,
+    # which waits for a file). They must restore the state anew at once, not wait
+    # worker_start_timeout_s (far above the bound checked) for a spare that never comes.
+    # The same wait hung requests when a restarted server's warm zygote connected and
+    # its cold holders were stopped (scripts/faults.py's "timed out").
+    trace_path, go, inside = tmp_path / "trace.jsonl", tmp_path / "go", tmp_path / "in"
+    inside.mkdir()
+    srv = make_server(config=f'[server]\ntrace_file = "{trace_path}"\n'
+                             "[workers]\nmax_live_states = 1\nworker_start_timeout_s = 120\n")
+    srv.execute(f"import os, time\nclass Slow:\n    def __init__(self):\n        self.n = 7\n"
+                f"    def __setstate__(self, d):\n"
+                f"        import os, time\n"  # in a holder, before the state's modules
+                f"        open(os.path.join({str(inside)!r}, str(os.getpid())), 'w').close()\n"
+                f"        while not os.path.exists({str(go)!r}):\n"
+                f"            time.sleep(0.05)\n"
+                f"        self.__dict__.update(d)\nslow = Slow()", new="slow")
+    srv.execute("m = 1", new="other")  # evicts `slow`: the next request restores it
+    answers = {}
+
+    def value(exec_id):
+        start = time.monotonic()
+        try:
+            answer = srv.post("/multistate_execute", {
+                "code": "slow.n", "exec_id": exec_id, "state_mapping": {},
+                "default_state": "slow"}, timeout=60).json()
+        except requests.Timeout:
+            answer = {"error": "no answer within 60 s"}
+        answers[exec_id] = (answer, time.monotonic() - start)
+
+    def wait_for(condition, what):
+        deadline = time.monotonic() + 60
+        while not condition():
+            assert time.monotonic() < deadline, what
+            time.sleep(0.05)
+
+    keys = ("first", "second", "third")
+    threads = {key: threading.Thread(target=value, args=(key,)) for key in keys}
+    threads["first"].start()
+    # The restored holder and the child running `first` both unpickle `slow`: the holder
+    # forks no more spares, and at most one it forked before is left, so of `second` and
+    # `third` at least one waits for a fork.
+    wait_for(lambda: len(list(inside.iterdir())) >= 2, "the holder never loaded `slow`")
+    threads["second"].start()
+    threads["third"].start()
+    wait_for(lambda: {s["exec"] for s in trace.read(trace_path) if s["phase"] == "request"}
+             >= {"second", "third"}, "the requests never arrived")
+    srv.execute("m = 2", new="other-2")  # restores `initial`, which evicts `slow`
+    go.touch()
+    for t in threads.values():
+        t.join(90)
+    for key in keys:
+        answer, took = answers[key]
+        assert answer["error"] is None, answer["error"]
+        assert answer["output"][-1]["data"]["text/plain"] == "7"
+    assert max(took for _, took in answers.values()) < 30, answers

@@ -57,9 +57,12 @@ class LiveState:
         self.first_spare_coming = False  # restored: its holder is forking its first spare
         self.deadline = None if conn else time.monotonic() + connect_within
         self.statm = None  # the holder's /proc/PID/statm, open once its memory is asked
+        self.stopped = False
 
     def alive(self):
-        """False once the holder process is gone, or did not connect in time."""
+        """False once the holder process is gone or stopped, or did not connect in time."""
+        if self.stopped:
+            return False
         if self.conn is None:
             return time.monotonic() < self.deadline
         return self.conn.alive
@@ -92,16 +95,21 @@ class LiveState:
             return 0
 
     def stop(self):
-        """Kill the holder and its idle spares."""
+        """Kill the holder and its idle spares, and wake the requests waiting for a spare
+        (None in `spares`: no spare will come)."""
+        self.stopped = True
         if self.statm is not None:
             self.statm.close()
         if self.conn is not None:
             self.conn.kill()
         while True:
             try:
-                self.spares.get_nowait().kill()
+                spare = self.spares.get_nowait()
             except queue.Empty:
                 break
+            if spare is not None:
+                spare.kill()
+        self.spares.put(None)
 
 
 class Pool:
@@ -357,11 +365,17 @@ class Pool:
                     child = live.spares.get(timeout=timeout)
                 except queue.Empty:
                     raise WorkerError("WorkerStartFailed", "no child process arrived") from None
-                if coming:
+                if coming and child is not None:
                     self._replace(live, child)
             else:
                 live.first_spare_coming = False
-                self._replace(live, child)
+                if child is not None:
+                    self._replace(live, child)
+            if child is None:
+                # The state was stopped (evicted, replaced, its holder died) while this
+                # request waited: left for the next waiter too; the caller restores it anew.
+                live.spares.put(None)
+                raise WorkerError("WorkerDied", "the state's holder process is gone")
             if child.idle():
                 with self.lock:
                     self.cells += 1

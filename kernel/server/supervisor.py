@@ -79,15 +79,18 @@ class Supervisor:
                 self.pool.cell_done()
 
     def _take_child(self, manifest):
-        """A child of the state's live holder, restoring the state once more if that
-        holder was evicted or replaced between being found and being asked."""
-        live = self.pool.live_state(manifest)
-        try:
-            return self.pool.take_child(live)
-        except WorkerError:
-            if live.alive():
-                raise
-            return self.pool.take_child(self.pool.live_state(manifest))
+        """A child of the state's live holder, restoring the state anew each time that
+        holder is evicted or replaced between being found and giving a child (states
+        restored by concurrent requests can evict each other), for at most
+        worker_start_timeout_s."""
+        deadline = time.monotonic() + self.settings["workers.worker_start_timeout_s"]
+        while True:
+            live = self.pool.live_state(manifest)
+            try:
+                return self.pool.take_child(live)
+            except WorkerError:
+                if live.alive() or time.monotonic() > deadline:
+                    raise
 
     def _wait(self, run, request, on_output):
         """The child's result, or a failure saying how it was stopped or died."""
