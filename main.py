@@ -30,8 +30,6 @@ from api.validation import check_body, check_state_name
 from kernel import config as config_mod
 from kernel import trace
 from kernel.errors import InvalidRequest
-from kernel.notebook import fresh, fresh_request
-from kernel.notebook.runner import Runner
 from kernel.server.registry import Registry
 from storage.store import StoreError, try_server_lock
 
@@ -103,6 +101,8 @@ def get_runner():
     kernel = get_kernel()
     with _kernel_lock:
         if _runner is None:
+            # Imported on first use: a server start need not wait for it.
+            from kernel.notebook.runner import Runner
             _runner = Runner(kernel)
         return _runner
 
@@ -350,6 +350,7 @@ def run_notebook():
         incremental = [k for k in ("order", "rerun", "exec_id") if data.get(k) is not None]
         if incremental:
             raise BadRequest(f"{', '.join(incremental)}: not for a fresh run")
+        from kernel.notebook import fresh_request
         return fresh_request.run_request(data, settings())
     fresh_only = [k for k in FRESH_OPTIONS if data.get(k) is not None]
     if fresh_only:
@@ -474,7 +475,8 @@ def main(argv=None):
     scheme = "https" if _settings["server.certfile"] else "http"
     note_holder(app.config["server_lock"], f"a server at {scheme}://{args.bind} "
                                            f"(pid {os.getpid()})")
-    threading.Thread(target=get_runner().environment.digest, daemon=True).start()
+    # The environment's digest, ready for the first notebook run, made while serving.
+    threading.Thread(target=lambda: get_runner().environment.digest(), daemon=True).start()
     serve(host.strip("[]"), int(port), _settings)
 
 
@@ -575,7 +577,7 @@ def run_command(argv):
 
 def _run_fresh(args):
     """`main.py run --fresh`: the run without a server or store; the exit status."""
-    from kernel.notebook import fresh_file  # nbformat: only for .ipynb files
+    from kernel.notebook import fresh, fresh_file  # nbformat: only for .ipynb files
     try:
         settings = config_mod.load(args.config)
     except config_mod.ConfigError as exc:
@@ -636,6 +638,7 @@ def _run_here(args, name, cells, progress):
         except StoreError as exc:
             raise RunRefused(str(exc)) from None
         try:
+            from kernel.notebook.runner import Runner
             runner = Runner(kernel)
             exec_id = f"run-{os.getpid()}"
 

@@ -10,7 +10,7 @@ tells nothing secret, but "only /health is open" is a rule easy to check.
 import copy
 import dataclasses
 
-from kernel.notebook import receipt, runner
+from kernel.notebook import statuses
 from kernel.protocol import ExecuteAnswer
 from kernel.server.registry import MAX_NAME_BYTES
 
@@ -90,8 +90,8 @@ _NOTEBOOK_CELL = {
         "key": {"type": "string", "nullable": True,
                 "description": "SHA-256 the cell's result is stored under; null when the "
                                "cell cannot run"},
-        "status": {"type": "string", "enum": [*runner.STATUSES, *(
-                       s for s in receipt.CELL_STATUSES if s not in runner.STATUSES)],
+        "status": {"type": "string", "enum": [*statuses.RUN, *(
+                       s for s in statuses.FRESH if s not in statuses.RUN)],
                    "description": "pending and running only while the run goes on; "
                                   "skipped and empty only in fresh runs"},
         "took_s": {"type": "number", "nullable": True},

@@ -113,7 +113,7 @@ class Cell:
     id: str
     source: str
     skip: bool = False
-    status: str = "not_run"  # receipt.CELL_STATUSES; "running" only while it runs
+    status: str = "not_run"  # statuses.FRESH; "running" only while it runs
     seconds: float = 0.0
     outputs: list = dataclasses.field(default_factory=list)
     error: dict | None = None

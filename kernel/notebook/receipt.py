@@ -15,7 +15,7 @@ import tomllib
 import fastjsonschema
 
 from kernel.config import ROOT
-from kernel.notebook import files
+from kernel.notebook import files, statuses
 
 FORMAT = 1
 
@@ -26,7 +26,6 @@ CATEGORIES = ("SYNTAX_ERROR", "CELL_ERROR", "WORKER_DIED", "CELL_TIMEOUT", "RUN_
               "BAD_INPUT")
 
 # What became of each code cell.
-CELL_STATUSES = ("ran", "failed", "skipped", "empty", "not_run")
 
 _SHA256 = {"type": "string", "pattern": "^[0-9a-f]{64}$"}
 _COUNT = {"type": "integer", "minimum": 0}
@@ -77,7 +76,7 @@ SCHEMA = {
         "cells": {"type": "array", "items": _object({
             "index": _COUNT,
             "id": {"type": "string"},
-            "status": {"enum": list(CELL_STATUSES)},
+            "status": {"enum": list(statuses.FRESH)},
             "seconds": _SECONDS,
             "execution_count": {"type": ["integer", "null"]},
             "category": {"enum": list(CATEGORIES) + [None]},

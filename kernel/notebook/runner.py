@@ -33,8 +33,6 @@ from kernel.notebook import analysis, graph as graph_mod, keys as keys_mod, plan
 from storage.notebooks import NotebookStore
 from storage.store import StoreError, StoreFull
 
-# A cell's status in a run's answer; "pending" and "running" only while the run goes on.
-STATUSES = ("ran", "reused", "failed", "blocked", "not_run", "pending", "running")
 STATE_PREFIX = "nb-"
 
 
