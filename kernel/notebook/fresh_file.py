@@ -87,15 +87,20 @@ def _same(a, b):
         return False
 
 
+def _check_writable(path, what):
+    """Refused(BAD_INPUT) unless a file can be written at `path` (`what` names it)."""
+    folder = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(folder) or not os.access(folder, os.W_OK):
+        raise Refused("BAD_INPUT", f"cannot write the {what} {path}: its folder does not "
+                                   f"exist or is not writable")
+    if os.path.isdir(path):
+        raise Refused("BAD_INPUT", f"the {what} {path} is a folder")
+
+
 def _check_receipt_path(path, others):
     """Refused(BAD_INPUT) unless a receipt can be written at `path` without touching
     the files in `others`."""
-    folder = os.path.dirname(os.path.abspath(path))
-    if not os.path.isdir(folder) or not os.access(folder, os.W_OK):
-        raise Refused("BAD_INPUT", f"cannot write the receipt {path}: its folder does not "
-                                   f"exist or is not writable")
-    if os.path.isdir(path):
-        raise Refused("BAD_INPUT", f"the receipt {path} is a folder")
+    _check_writable(path, "receipt")
     for other in others:
         if other is not None and _same(path, other):
             raise Refused("BAD_INPUT", f"the receipt {path} would overwrite {other}")
@@ -105,12 +110,7 @@ def _check_output_path(source, output):
     """Refused(BAD_INPUT) unless the executed notebook can be written at `output`."""
     if _same(source, output):
         raise Refused("BAD_INPUT", "the output must differ from the source notebook")
-    folder = os.path.dirname(os.path.abspath(output))
-    if not os.path.isdir(folder) or not os.access(folder, os.W_OK):
-        raise Refused("BAD_INPUT", f"cannot write {output}: its folder does not exist or "
-                                   f"is not writable")
-    if os.path.isdir(output):
-        raise Refused("BAD_INPUT", f"the output {output} is a folder")
+    _check_writable(output, "output")
 
 
 def run_file(source, output, receipt_path, settings, timeout=None, cell_timeout=None,
