@@ -309,10 +309,6 @@ class Pool:
                          connect_within=self.settings["workers.worker_start_timeout_s"])
         live.child_that_made_it = child
         live.spares.put(child)
-        with self.lock:
-            early = self.holders_before_adoption.pop(state_id, None)
-            if early is not None:
-                self._attach(live, early)
         self._adopt(state_id, live)
 
     def _adopt(self, state_id, live):
@@ -321,8 +317,15 @@ class Pool:
             old = self.live.pop(state_id, None)
             self.live[state_id] = live
             self.stopped_states.discard(state_id)
-            if live.conn is not None:
+            # Looked up in the same locked step that makes the state visible: a holder
+            # connecting in between would find neither and wait here forever.
+            early = self.holders_before_adoption.pop(state_id, None)
+            if live.conn is None and early is not None:
+                self._attach(live, early)
+            elif live.conn is not None:
                 self.live_by_pid[live.conn.pid] = live
+                if early is not None:
+                    early.kill()
             for spare in self.spares_before_adoption.pop(state_id, []):
                 live.spares.put(spare)
         if old is not None and old is not live:
