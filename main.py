@@ -475,8 +475,6 @@ def main(argv=None):
     scheme = "https" if _settings["server.certfile"] else "http"
     note_holder(app.config["server_lock"], f"a server at {scheme}://{args.bind} "
                                            f"(pid {os.getpid()})")
-    # The environment's digest, ready for the first notebook run, made while serving.
-    threading.Thread(target=lambda: get_runner().environment.digest(), daemon=True).start()
     serve(host.strip("[]"), int(port), _settings)
 
 
