@@ -121,7 +121,9 @@ def test_success_writes_the_executed_notebook_and_a_receipt(tmp_path):
     assert kernel["distributions"] > 10
     assert r["output_bytes"] > 0 and r["limits"]["max_output_bytes"] == 10485760
     assert r["scope"]["network_isolation"] == "UNAVAILABLE"
-    assert r["cleanup"]["processes_observed"] >= 3  # zygote, holder, the cells' process
+    # The zygote and the process that ran the cells live until the cleanup, so a poll
+    # sees them; holders come and go between polls (a run this short may see none).
+    assert r["cleanup"]["processes_observed"] >= 2
     # Neither the source nor the output text is in the receipt.
     text = run.receipt_path.read_text()
     assert "PRINTED-7f3a" not in text and "SOURCE-91bc" not in text

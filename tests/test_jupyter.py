@@ -239,6 +239,15 @@ def test_interrupt(kernel):
     assert reply["content"]["status"] == "error"
     assert reply["content"]["ename"] == "KeyboardInterrupt"
     assert time.monotonic() - started < 30
+    # After an error reply ipykernel aborts the requests already queued, up to when it
+    # says idle; a request sent between the two would be aborted, as in any ipykernel.
+    # A front end waits for idle (execute_interactive does): so does this test.
+    deadline = time.monotonic() + 60
+    while True:
+        msg = kernel.client.get_iopub_msg(timeout=max(0.1, deadline - time.monotonic()))
+        if msg["parent_header"].get("msg_id") == msg_id and msg["msg_type"] == "status" \
+                and msg["content"]["execution_state"] == "idle":
+            break
     assert kernel.value("before") == "1"
     assert kernel.run("after")[0]["ename"] == "NameError"
 

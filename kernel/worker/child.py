@@ -18,7 +18,7 @@ from kernel import protocol, trace
 from kernel.channel import ChannelClosed
 from kernel.protocol import ExecuteAnswer
 from kernel.worker import limits, reads, replay, runner
-from kernel.worker.process import become_worker, user_names
+from kernel.worker.process import become_worker, fork_worker, user_names
 from storage import snapshot
 from storage.store import StoreError
 
@@ -159,7 +159,7 @@ class CellChild:
         self.reap_holders()
         gc.collect()  # the last cell's cyclic garbage, before freeze() would keep it
         gc.freeze()
-        pid = os.fork()
+        pid = fork_worker()
         if pid:
             self.forked_holders.append(pid)
             return

@@ -68,6 +68,26 @@ def status_text(status):
     return f"exited with code {os.WEXITSTATUS(status)}", os.WEXITSTATUS(status)
 
 
+def fork_worker():
+    """os.fork() for a new worker: the child in a process group of its own at once.
+
+    The child also joins its own group first thing (become_worker), but a
+    loaded machine may not run it for a while, and until then it is in the
+    parent's group: the server's SIGKILL of that group (a cell's child and
+    what its cell left, once the cell made no state) would kill it too, and
+    a holder killed before it connected left its state waiting for it a
+    whole worker_start_timeout_s. Setting the group from the parent's side
+    too leaves no such moment.
+    """
+    pid = os.fork()
+    if pid:
+        try:
+            os.setpgid(pid, pid)
+        except OSError:  # it is gone already, which its parent will hear of
+            pass
+    return pid
+
+
 def become_worker(role):
     """Post-fork set-up of a worker: own process group, default signals, own trace pid."""
     os.setpgid(0, 0)
