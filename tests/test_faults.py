@@ -14,6 +14,7 @@ import psutil
 import pytest
 
 from conftest import ROOT, Server
+from kernel import proctable
 
 LIMITS = """
 [limits]
@@ -53,12 +54,11 @@ def make_kept(srv):
     return states(srv)
 
 
-def gone(pids, timeout=10):
+def gone(pids, timeout=60):
     """True once no process of `pids` is alive (zombies count as gone)."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        alive = [p for p in pids if psutil.pid_exists(p)
-                 and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
+        alive = [p for p in pids if proctable.alive(p)]
         if not alive:
             return True
         time.sleep(0.1)
