@@ -74,6 +74,14 @@ _STREAM = {"type": "boolean", "nullable": True,
                           "{\"type\": \"clear_output\", \"wait\"}), then "
                           "{\"type\": \"answer\", \"answer\"}"}
 
+# One line of a streamed answer (OpenAPI has no NDJSON: the schema is that of a line).
+_STREAM_LINE = {
+    "type": "object", "required": ["type"],
+    "properties": {"type": {"type": "string", "enum": ["output", "clear_output", "answer"]},
+                   "output": _OUTPUT, "wait": {"type": "boolean"},
+                   "answer": _EXECUTE_ANSWER},
+}
+
 _GROUPS = {
     "type": "object", "required": ["groups", "fingerprints"],
     "properties": {"groups": {"type": "array", "items": _NAMES},
@@ -141,10 +149,13 @@ def _body(properties, required):
         "type": "object", "properties": properties, "required": required}}}}
 
 
-def _answer(schema, description, errors=(400, 401)):
-    """The responses of an operation: 200 with `schema`, the listed errors as JSON."""
-    responses = {"200": {"description": description,
-                         "content": {"application/json": {"schema": schema}}}}
+def _answer(schema, description, errors=(400, 401), streamed=False):
+    """The responses of an operation: 200 with `schema`, the listed errors as JSON;
+    `streamed`: or, asked with "stream": true, NDJSON lines (`_STREAM_LINE` each)."""
+    content = {"application/json": {"schema": schema}}
+    if streamed:
+        content["application/x-ndjson"] = {"schema": _STREAM_LINE}
+    responses = {"200": {"description": description, "content": content}}
     for status in errors:
         responses[str(status)] = {"$ref": f"#/components/responses/E{status}"}
     return responses
@@ -171,7 +182,7 @@ def document(version="0.3.0"):
                                  ["exec_id", "state_name"]),
             "responses": _answer(_EXECUTE_ANSWER, "The cell's outputs and the new state's "
                                  "name; a missing input state is error StateNotFound",
-                                 body_errors + (409, 500, 503, 507))}},
+                                 body_errors + (409, 500, 503, 507), streamed=True)}},
         "/multistate_execute": {"post": {
             "summary": "Run a cell with states under aliases; nothing is stored",
             "requestBody": _body({"code": {"type": "string", "nullable": True},
@@ -183,7 +194,7 @@ def document(version="0.3.0"):
                                   "stream": _STREAM},
                                  ["exec_id", "state_mapping"]),
             "responses": _answer(_EXECUTE_ANSWER, "The cell's outputs; state_name is null",
-                                 body_errors + (409, 500, 503))}},
+                                 body_errors + (409, 500, 503), streamed=True)}},
         "/states": {"get": {
             "summary": "Every state name, oldest first",
             "responses": _answer({"type": "object", "required": ["states"],

@@ -1,6 +1,7 @@
 """Bad input: /openapi.json, a schemathesis fuzz of every route, handcrafted nasty requests.
 
-Any 5xx answer or a dead server is a failure. The fuzz is bounded
+Any 5xx answer, an answer its declared schema does not describe, or a dead
+server is a failure. The fuzz is bounded
 (FUZZ_EXAMPLES per operation and mode) so the module stays well under a minute.
 """
 
@@ -14,12 +15,17 @@ import pytest
 import requests
 import schemathesis
 from hypothesis import HealthCheck, Phase, given, settings
+from schemathesis.checks import content_type_conformance, response_schema_conformance
+from schemathesis.core.failures import FailureGroup
 
 import main
 from conftest import TOKEN
 
 # Examples per operation and mode; SNAPK_FUZZ_EXAMPLES=200 for a deeper run.
 FUZZ_EXAMPLES = int(os.environ.get("SNAPK_FUZZ_EXAMPLES", "12"))
+# What every answer of the fuzz is checked against, beyond being no 5xx: the schema and the
+# content type the OpenAPI document declares for its status.
+ANSWER_CHECKS = [response_schema_conformance, content_type_conformance]
 POST_ROUTES = ["/execute", "/multistate_execute", "/symbol_hashes", "/alias_groups",
                "/rebuild_state", "/interrupt"]
 
@@ -59,6 +65,22 @@ def test_openapi_document_describes_every_route(server):
         == {"type", "message"}
 
 
+def test_answer_checks_catch_an_answer_its_schema_does_not_describe(server):
+    """The fuzz's answer checks are not vacuous: /health's real answer fails them once
+    its schema requires a field the server does not send."""
+    doc = document(server)
+    schema = doc["paths"]["/health"]["get"]["responses"]["200"]["content"][
+        "application/json"]["schema"]
+    schema["required"].append("missing")
+    schema["properties"]["missing"] = {"type": "integer"}
+    case = schemathesis.openapi.from_dict(doc)["/health"]["GET"].Case()
+    response = case.call(base_url=server.url, headers={"Authorization": f"Bearer {TOKEN}"},
+                         timeout=60)
+    assert response.status_code == 200
+    with pytest.raises((AssertionError, FailureGroup)):
+        case.validate_response(response, checks=ANSWER_CHECKS)
+
+
 def test_fuzz_every_route_with_schemathesis(server):
     doc = document(server)
     schema = schemathesis.openapi.from_dict(doc)
@@ -76,13 +98,20 @@ def test_fuzz_every_route_with_schemathesis(server):
                       suppress_health_check=list(HealthCheck))
             @given(case=strategy)
             def run(case):
-                """Send one generated request; remember any 5xx answer."""
+                """Send one generated request; remember any 5xx answer, and any answer
+                that its declared schema or content type does not describe."""
                 calls[0] += 1
                 response = case.call(base_url=server.url, session=session, headers=auth,
                                      timeout=60)
                 if response.status_code >= 500:
                     failures.append((operation.label, mode.name, response.status_code,
                                      response.text[:300], repr(case)[:500]))
+                    return
+                try:
+                    case.validate_response(response, checks=ANSWER_CHECKS)
+                except (AssertionError, FailureGroup) as exc:  # one failure, or several
+                    failures.append((operation.label, mode.name, response.status_code,
+                                     str(exc)[:500], response.text[:300]))
 
             try:
                 run()
