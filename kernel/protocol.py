@@ -3,9 +3,9 @@
 Both sides import this module and nothing else defines a message. A message
 is a typed NamedTuple, immutable, sent whole over a worker's channel
 (kernel/channel.py pickles it: both ends are our own processes). NamedTuple,
-not a frozen dataclass: a server start makes these classes, and 15 frozen
-dataclasses cost it about 9 ms, NamedTuples about 1.5 ms. docs/architecture.md shows
-who sends which, in what order.
+not a frozen dataclass: every server start makes these classes, 15 frozen
+dataclasses in about 9 ms, NamedTuples in about 1.5 ms. docs/architecture.md
+shows who sends which, in what order.
 
 A worker's first message on its channel is a `Hello` naming its role:
 

@@ -25,8 +25,6 @@ CATEGORIES = ("SYNTAX_ERROR", "CELL_ERROR", "WORKER_DIED", "CELL_TIMEOUT", "RUN_
               "SOURCE_CHANGED", "OUTPUT_EXISTS", "ENVIRONMENT_MISMATCH", "CLEANUP_FAILED",
               "BAD_INPUT")
 
-# What became of each code cell.
-
 _SHA256 = {"type": "string", "pattern": "^[0-9a-f]{64}$"}
 _COUNT = {"type": "integer", "minimum": 0}
 _SECONDS = {"type": "number", "minimum": 0}

@@ -317,15 +317,14 @@ class Pool:
             old = self.live.pop(state_id, None)
             self.live[state_id] = live
             self.stopped_states.discard(state_id)
-            # Looked up in the same locked step that makes the state visible: a holder
-            # connecting in between would find neither and wait here forever.
-            early = self.holders_before_adoption.pop(state_id, None)
-            if live.conn is None and early is not None:
-                self._attach(live, early)
-            elif live.conn is not None:
-                self.live_by_pid[live.conn.pid] = live
+            if live.conn is None:
+                # Looked up in the same locked step that makes the state visible: a
+                # holder connecting in between would find neither and wait forever.
+                early = self.holders_before_adoption.pop(state_id, None)
                 if early is not None:
-                    early.kill()
+                    self._attach(live, early)
+            else:
+                self.live_by_pid[live.conn.pid] = live
             for spare in self.spares_before_adoption.pop(state_id, []):
                 live.spares.put(spare)
         if old is not None and old is not live:

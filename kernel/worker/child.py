@@ -18,7 +18,7 @@ from kernel import protocol, trace
 from kernel.channel import ChannelClosed
 from kernel.protocol import ExecuteAnswer
 from kernel.worker import limits, reads, replay, runner
-from kernel.worker.process import become_worker, fork_worker, user_names
+from kernel.worker.process import fork_worker, user_names
 from storage import snapshot
 from storage.store import StoreError
 
@@ -159,11 +159,10 @@ class CellChild:
         self.reap_holders()
         gc.collect()  # the last cell's cyclic garbage, before freeze() would keep it
         gc.freeze()
-        pid = fork_worker()
+        pid = fork_worker("holder")
         if pid:
             self.forked_holders.append(pid)
             return
-        become_worker("holder")
         state = self.state
         state.channel.close()
         try:

@@ -18,7 +18,7 @@ import traceback
 from kernel import protocol, trace
 from kernel.channel import ChannelClosed
 from kernel.worker import replay
-from kernel.worker.process import WorkerProcess, become_worker, core_free, fork_worker
+from kernel.worker.process import WorkerProcess, core_free, fork_worker
 from storage import snapshot
 from storage.store import encode_manifest
 
@@ -161,8 +161,7 @@ class StateHolder(WorkerProcess):
         # Objects inherited from now on are out of the cyclic GC's reach in the child,
         # so a collection there does not write to (and copy) every page of the state.
         gc.freeze()
-        if fork_worker() == 0:
-            become_worker("child")
+        if fork_worker("child") == 0:
             self.channel.close()
             from kernel.worker.child import CellChild
             try:

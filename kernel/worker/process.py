@@ -68,16 +68,15 @@ def status_text(status):
     return f"exited with code {os.WEXITSTATUS(status)}", os.WEXITSTATUS(status)
 
 
-def fork_worker():
-    """os.fork() for a new worker: the child in a process group of its own at once.
+def fork_worker(role):
+    """os.fork() for a new worker of `role`; in the child, its set-up: a process group
+    of its own, default signals, its own trace pid. Returns what os.fork() does.
 
-    The child also joins its own group first thing (become_worker), but a
-    loaded machine may not run it for a while, and until then it is in the
-    parent's group: the server's SIGKILL of that group (a cell's child and
-    what its cell left, once the cell made no state) would kill it too, and
-    a holder killed before it connected left its state waiting for it a
-    whole worker_start_timeout_s. Setting the group from the parent's side
-    too leaves no such moment.
+    The parent sets the child's group too, at once: a loaded machine may not
+    run the child for a while, and until it does, a SIGKILL of the parent's
+    group (the server's, of a cell's child and what its cell left, once the
+    cell made no state) would kill it too. A holder killed before it
+    connected left its state waiting for it a whole worker_start_timeout_s.
     """
     pid = os.fork()
     if pid:
@@ -85,11 +84,7 @@ def fork_worker():
             os.setpgid(pid, pid)
         except OSError:  # it is gone already, which its parent will hear of
             pass
-    return pid
-
-
-def become_worker(role):
-    """Post-fork set-up of a worker: own process group, default signals, own trace pid."""
+        return pid
     os.setpgid(0, 0)
     signal.set_wakeup_fd(-1)
     for fd in _wake_fds:
@@ -98,6 +93,7 @@ def become_worker(role):
     signal.signal(signal.SIGCHLD, signal.SIG_DFL)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     trace.after_fork(role)
+    return 0
 
 
 class WorkerProcess:

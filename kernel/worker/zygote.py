@@ -19,7 +19,7 @@ from kernel import protocol, trace
 from kernel.channel import ChannelClosed
 from kernel.worker import limits
 from kernel.worker.process import (PR_SET_CHILD_SUBREAPER, PR_SET_PDEATHSIG, WorkerProcess,
-                                   become_worker, fork_worker, fresh_main, prctl)
+                                   fork_worker, fresh_main, prctl)
 from storage import remote
 
 
@@ -56,8 +56,7 @@ def zygote_main(sock_path, settings):
             os._exit(0)
         if isinstance(msg, protocol.Spawn):
             gc.freeze()
-            if fork_worker() == 0:
-                become_worker("holder")
+            if fork_worker("holder") == 0:
                 proc.channel.close()
                 holder.StateHolder(sock_path, settings, namespace, msg.manifest).restore(msg.req)
 
