@@ -11,6 +11,7 @@ the input state is never touched.
 import contextlib
 import gc
 import os
+import select
 import traceback
 import types
 
@@ -21,6 +22,10 @@ from kernel.worker import limits, reads, replay, runner
 from kernel.worker.process import fork_worker, user_names
 from storage import snapshot
 from storage.store import StoreError
+
+# After its answer, the child that made a state forks the state's holder after this long
+# or when the next request comes, whichever is first (see CellChild.run).
+HOLDER_AFTER_S = 0.002
 
 
 class CellChild:
@@ -53,6 +58,11 @@ class CellChild:
                 if made is None:
                     os._exit(0)
                 self.state.manifest = made
+                # Fork once the server has read the answer and sent its reply (a fork at
+                # once delays both, by a millisecond or more when the cores were idle),
+                # or as soon as the next request comes: it must not run before the
+                # state has its holder.
+                select.select([self.channel], [], [], HOLDER_AFTER_S)
                 self.fork_holder()
                 trace.stamp("forked", msg.exec_id)
                 self.state.warm(wait=False)
