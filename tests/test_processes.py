@@ -288,6 +288,35 @@ def test_state_run_again_before_the_quiet_moment_gets_its_spare_at_once(make_ser
     assert pid in spares and parent == holder.pid
 
 
+def test_spares_owed_after_a_run_in_order_come_one_at_a_time_last_used_first(make_server):
+    """A chain run in order leaves each state but the last owed a spare; once quiet they
+    are forked a quiet period apart, the state used last first (forked all at once, they
+    held up the next run's first cell)."""
+    srv = make_server(config="[workers]\nspare_after_quiet_s = 0.5\n")
+    srv.execute("import os\nx = 1", new="c0")
+    seen, holders = set(), []
+    for i in range(1, 4):
+        # Run by the child that made c{i-1}: its children are the holders it forked.
+        out = srv.execute("me = os.getpid()\nopen(f'/proc/{me}/task/{me}/children').read()",
+                          state=f"c{i - 1}", new=f"c{i}")["output"][0]["data"]["text/plain"]
+        pids = set(map(int, eval(out).split()))
+        new = pids - seen
+        seen |= pids
+        assert len(new) == 1
+        holders.append(psutil.Process(new.pop()))  # the holder of c{i - 1}
+    first_spare = {}
+    deadline = time.monotonic() + 60
+    while len(first_spare) < len(holders):
+        assert time.monotonic() < deadline, f"spares seen only for {sorted(first_spare)}"
+        for n, holder in enumerate(holders):
+            if n not in first_spare and holder.children():
+                first_spare[n] = time.monotonic()
+        if len(first_spare) == 1:
+            assert list(first_spare) == [2]  # c2's: c3's cell ran from it last
+        time.sleep(0.02)
+    assert first_spare[2] < first_spare[1] < first_spare[0]
+
+
 def _socket_dirs(pid):
     """The worker-socket folders of the server with process id `pid`."""
     return glob.glob(os.path.join(tempfile.gettempdir(), f"snapk-{pid}-*"))
