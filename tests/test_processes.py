@@ -180,6 +180,18 @@ def test_first_cells_do_not_wait_for_the_warm_up_and_behave_the_same(make_server
         time.sleep(0.2)
 
 
+def test_state_gets_its_holder_without_a_next_request(make_server):
+    """The child that made a state forks the state's holder a moment after its answer,
+    not only when a next request comes."""
+    srv = make_server()
+    out = srv.execute("import os\nos.getpid()", new="alone")["output"]
+    maker = psutil.Process(int(out[0]["data"]["text/plain"]))
+    deadline = time.monotonic() + 30
+    while not maker.children():
+        assert time.monotonic() < deadline, "no holder forked without a next request"
+        time.sleep(0.02)
+
+
 def test_next_cell_runs_in_the_process_that_made_its_state(make_server):
     """In a notebook run in order, the child that made a state takes the next cell itself
     (its holder forked off); earlier states stay intact and their dead holders are reaped."""
