@@ -224,10 +224,18 @@ def carry(manifest, parent, groups, module_names, volatile_names):
         manifest["variables"][name] = parent["variables"][name]
 
 
-def commit(store, manifest, payloads):
-    """Write a new state, then forget buffer keys the state no longer holds."""
+def commit(store, manifest, payloads, replaced=None):
+    """Write a new state, then forget buffer keys the state no longer holds.
+
+    `replaced`: the parent's groups the state does not carry (None: not
+    known). Only those can have held a buffer the state lost; when none did
+    (a cell that changed small values), listing the state's buffers (a
+    chunk list per large buffer read from the store) is skipped: that cost
+    a trivial cell next to a 1 GB frame about 1.2 ms.
+    """
     store.write_state(manifest["name"], manifest, payloads)
-    pages.keep_only(store.referenced(manifest))
+    if replaced is None or any(group["buffers"] for group in replaced):
+        pages.keep_only(store.referenced(manifest))
 
 
 def symbol_hash(manifest, name):

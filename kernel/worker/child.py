@@ -141,11 +141,12 @@ class CellChild:
         `rebound`: the names the cell bound to another object (or made)."""
         parent = self.state.manifest
         manifest = snapshot.new_manifest(msg.new_name, parent, msg.code, count, msg.auto_named)
-        carried, dirty = [], set()
+        carried, replaced, dirty = [], [], set()
         for group in parent["groups"]:
             if touched.isdisjoint(group["members"]):
                 carried.append(group)
             else:
+                replaced.append(group)
                 dirty.update(m for m in group["members"] if m in present)
         modules = [n for n in parent["modules"] if n not in touched]
         volatile = [n for n in parent["volatile"] if n not in touched]
@@ -156,7 +157,7 @@ class CellChild:
         records = snapshot.save_groups(store, manifest, self.state.namespace, sorted(dirty),
                                        self.state.settings, class_tag=tag, parent=parent,
                                        rebound=rebound)
-        snapshot.commit(store, manifest, records)
+        snapshot.commit(store, manifest, records, replaced)
         return manifest
 
     def fork_holder(self):
