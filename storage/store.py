@@ -28,7 +28,7 @@ import lmdb
 import xxhash
 import zstandard
 
-from storage import heap, lmdbfile, pages, threads
+from storage import lmdbfile, pages, threads
 
 # Format 2 added blob checksums; format 1 stores are read and upgraded in place
 # (their blobs stay as they are, verified by their keys).
@@ -575,9 +575,8 @@ class StreamedRecords(dict):
                     return
                 yield item
         try:
-            with heap.kept():
-                self.store._write(self.store._encoded(arriving(), self.size), self.size,
-                                  lambda: self.last)
+            self.store._write(self.store._encoded(arriving(), self.size), self.size,
+                              lambda: self.last)
         except BaseException as exc:  # raised again by `finish`, in the saving thread
             self.error = exc
 
