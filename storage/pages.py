@@ -17,6 +17,7 @@ fork 19 ms in 4 KB pages and 1 ms in 2 MB ones.
 import contextlib
 import mmap
 import os
+import sys
 import weakref
 
 _PAGE = os.sysconf("SC_PAGE_SIZE")
@@ -66,20 +67,38 @@ def remember(view, keys, chunk):
     """Record that the `chunk`-byte pieces of `view` (as stored now) have blob `keys`.
 
     An array is held by a weak reference (a strong one would change what
-    `ndarray.resize` allows); a buffer loaded from the store is not the
-    user's object and is held strongly, until `keep_only` drops it.
+    `ndarray.resize` allows). Other owners are held strongly, until
+    `keep_only` drops them: a buffer loaded from the store is not the
+    user's object, and pyarrow makes a new wrapper of a buffer each time an
+    array is pickled (a weak reference to it would be dead at once).
     """
     address = buffer_address(view)
     if address is None or view.nbytes < _PAGE:
         return
-    owner = view.obj
-    try:
+    owner = _owner(view)
+    numpy = sys.modules.get("numpy")
+    if numpy is not None and isinstance(owner, numpy.ndarray):
         ref = weakref.ref(owner)
-    except TypeError:
+    else:
         ref = lambda owner=owner: owner  # noqa: E731 - a strong "reference"
     for (offset, size), key in zip(_spans(view.nbytes, chunk), keys):
         if size >= _PAGE:
             _known[(address + offset, size)] = (key, ref)
+
+
+def _owner(view):
+    """The object whose life keeps `view`'s memory: the object it exports, through the
+    views made to export it (storage/serializer.py: a read-only memoryview of an
+    Arrow buffer, a byte view of a datetime64 array, which ends a chain of numpy
+    bases)."""
+    owner = view.obj
+    while isinstance(owner, memoryview):
+        owner = owner.obj
+    numpy = sys.modules.get("numpy")
+    if numpy is not None:
+        while isinstance(owner, numpy.ndarray) and isinstance(owner.base, numpy.ndarray):
+            owner = owner.base
+    return owner
 
 
 def known_keys(view, chunk):
@@ -123,12 +142,16 @@ def keep_only(keys):
 
 def _covers(owner, address, size):
     """True if the owner's memory still spans [address, address+size) (not resized)."""
-    try:
-        view = memoryview(owner)
-    except TypeError:
-        return False
-    start = buffer_address(view)
-    return start is not None and start <= address and address + size <= start + view.nbytes
+    interface = getattr(owner, "__array_interface__", None)
+    if interface is not None:  # a datetime64 array has no buffer export of its own
+        start, nbytes = interface["data"][0], owner.nbytes
+    else:
+        try:
+            view = memoryview(owner)
+        except TypeError:
+            return False
+        start, nbytes = buffer_address(view), view.nbytes
+    return start is not None and start <= address and address + size <= start + nbytes
 
 
 _pagemap_fd = [None, None]  # (pid, fd): an fd opened before a fork shows the parent's pages

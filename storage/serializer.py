@@ -95,6 +95,21 @@ def _arrow_reduce(array):
     return (_arrow_backed, (type(array), dict(array.__dict__, _cache={})))
 
 
+def _arrow_buffer_reduce(buffer, min_buffer):
+    """Reduce a pyarrow Buffer to the same pickle whether it is mutable or not.
+
+    pyarrow pickles a buffer as itself, so a mutable one (what pyarrow
+    allocates) and an immutable one (what read_csv makes, what a small
+    buffer is after a restore) pickle to different bytes: a frame would get
+    a new hash after a restart although no value changed. A small buffer
+    goes in band as bytes, a large one out of band read-only.
+    """
+    import pyarrow
+    if buffer.size < min_buffer:
+        return (pyarrow.py_buffer, (buffer.to_pybytes(),))
+    return (pyarrow.py_buffer, (pickle.PickleBuffer(memoryview(buffer).toreadonly()),))
+
+
 def _make_view(base, offset, shape, strides, dtype):
     """Rebuild a numpy view of `base` (which is shared through the pickle memo)."""
     import numpy
@@ -104,14 +119,17 @@ def _make_view(base, offset, shape, strides, dtype):
 class _GroupPickler(cloudpickle.Pickler):
     """cloudpickle's C pickler, binding cell functions to the loading namespace."""
 
-    def __init__(self, file, namespace, class_tag, buffer_callback):
-        """Pickle into `file`; `namespace` is the dict cell functions use as globals."""
+    def __init__(self, file, namespace, class_tag, buffer_callback, min_buffer):
+        """Pickle into `file`; `namespace` is the dict cell functions use as globals;
+        buffers of `min_buffer` bytes and more go to `buffer_callback`."""
         super().__init__(file, protocol=PROTOCOL, buffer_callback=buffer_callback)
         self._namespace = namespace
         self._class_tag = class_tag
+        self._min_buffer = min_buffer
         self._ndarray = getattr(sys.modules.get("numpy"), "ndarray", None)
         arrays = sys.modules.get("pandas.arrays")
         self._arrow_array = getattr(arrays, "ArrowExtensionArray", None)
+        self._arrow_buffer = getattr(sys.modules.get("pyarrow"), "Buffer", None)
 
     def reducer_override(self, obj):
         """Reduce cell functions, notebook classes, numpy views and Arrow-backed pandas
@@ -127,13 +145,15 @@ class _GroupPickler(cloudpickle.Pickler):
         elif (reduced := canonical.reduce(obj)) is not None:
             return reduced
         elif self._ndarray is not None and type(obj) is self._ndarray:
-            view = _view_reduce(obj, self._ndarray)
-            if view is not None:
-                return view
+            reduced = _view_reduce(obj, self._ndarray) or _datetime_reduce(obj)
+            if reduced is not None:
+                return reduced
         elif self._arrow_array is not None and isinstance(obj, self._arrow_array):
             arrow = _arrow_reduce(obj)
             if arrow is not None:
                 return arrow
+        elif self._arrow_buffer is not None and isinstance(obj, self._arrow_buffer):
+            return _arrow_buffer_reduce(obj, self._min_buffer)
         return super().reducer_override(obj)
 
 
@@ -176,6 +196,21 @@ def _view_reduce(arr, ndarray):
     return (_make_view, (base, offset, arr.shape, arr.strides, arr.dtype))
 
 
+def _datetime_reduce(arr):
+    """Reduce a contiguous datetime64 or timedelta64 array with its bytes out of band,
+    or None.
+
+    numpy pickles these in band (their dtype cannot be exported through the
+    buffer protocol): a frame's date column would be copied into the pickle
+    and hashed again at every save of its group, even when the cell only read
+    it. Its bytes, seen as uint8, travel out of band like any other column's.
+    """
+    if arr.dtype.kind not in "mM" or not arr.flags.c_contiguous:
+        return None
+    raw = pickle.PickleBuffer(arr.reshape(-1).view("u1"))
+    return (_frombuffer, (raw, arr.dtype, arr.shape, "C"))
+
+
 class Pickled:
     """One serialized group: pickle bytes, out-of-band buffers, which pickler."""
 
@@ -208,7 +243,7 @@ def dumps(values, namespace, class_tag, min_buffer):
 
     out = io.BytesIO()
     try:
-        _GroupPickler(out, namespace, class_tag, keep).dump(values)
+        _GroupPickler(out, namespace, class_tag, keep, min_buffer).dump(values)
         return Pickled(out.getvalue(), buffers, "c")
     except Exception as first:
         try:

@@ -284,6 +284,55 @@ def test_in_place_writes_are_never_missed(make_server, tmp_path):
         == "(3.0, 7.0, 10.0)"
 
 
+def test_datetime_columns_are_stored_by_chunk_like_numbers(make_server, tmp_path):
+    """A date column's bytes go out of band: a changed date stores about its chunk, not the
+    column, and a restored one is the same values, dtype, view and hash."""
+    data = tmp_path / "store"
+    srv = make_server(data)
+    srv.execute("import numpy as np, pandas as pd\n"
+                "rng = np.random.default_rng(0)\n"
+                "df = pd.DataFrame({'when': pd.to_datetime(rng.integers(0, 2**50, 2_000_000)),"
+                " 'span': pd.to_timedelta(rng.integers(0, 2**40, 2_000_000)),"
+                " 'x': rng.random(2_000_000)})\n"
+                "raw = df['when'].to_numpy().copy()\npart = raw[10:20]", new="d0")
+    hashes = srv.post("/symbol_hashes", {"state_name": "d0", "symbols": ["df", "raw"]}).json()
+    grown = store_bytes(data)
+    srv.execute("df.loc[1_000_000, 'when'] = pd.Timestamp('2001-02-03')\n"
+                "raw[1_000_000] = np.datetime64('2001-02-03')", state="d0", new="d1")
+    assert store_bytes(data) - grown < 5 * 2 ** 20  # two 16 MB columns changed by a chunk
+    srv.stop()
+    again = make_server(data)
+    again.execute("len(df)", state="d0", new="d2")
+    assert again.post("/symbol_hashes", {"state_name": "d2",
+                                         "symbols": ["df", "raw"]}).json() == hashes
+    assert again.value("d1", "'|'.join(map(str, [df['when'][1_000_000], raw[1_000_000], "
+                             "df.dtypes['when'], df.dtypes['span']]))") \
+        == "'2001-02-03 00:00:00|2001-02-03T00:00:00.000000000|datetime64[ns]|timedelta64[ns]'"
+    again.execute("part[0] = np.datetime64('1999-01-01')\nassert raw[10] == part[0]",
+                  state="d1", new="d3")
+
+
+def test_frames_of_arrow_strings_keep_their_hashes_across_a_restart(make_server, tmp_path):
+    """Arrow buffers pickle the same whether pyarrow made them mutable or not: a frame
+    read again after a restart, and not changed, keeps its symbol hash."""
+    data = tmp_path / "store"
+    srv = make_server(data)
+    srv.execute("import io\nimport pandas as pd\n"
+                "read = pd.read_csv(io.StringIO('k,v\\n' + '\\n'.join(f's{i},{i}' "
+                "for i in range(100_000))))\n"
+                "made = pd.DataFrame({'a': [1.0, 2.0], 'b': ['x', 'y']})", new="a0")
+    names = ["read", "made"]
+    before = srv.post("/symbol_hashes", {"state_name": "a0", "symbols": names}).json()
+    srv.stop()
+    again = make_server(data)
+    again.execute("len(read) + len(made)", state="a0", new="a1")
+    assert again.post("/symbol_hashes", {"state_name": "a1", "symbols": names}).json() \
+        == before
+    again.execute("len(read) + len(made)", state="a1", new="a2")
+    assert again.post("/symbol_hashes", {"state_name": "a2", "symbols": names}).json() \
+        == before
+
+
 def test_dill_fallback_and_async_durability(make_server, tmp_path):
     """What the C pickler refuses goes through dill; "async" durability still stores."""
     data = tmp_path / "store"
