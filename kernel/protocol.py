@@ -58,12 +58,19 @@ class Fork(NamedTuple):
 # Server -> spare child: the requests ------------------------------------------------
 
 class Execute(NamedTuple):
-    """Run `code`; on success store the new state as `new_name`."""
+    """Run `code`; on success store the new state as `new_name`.
+
+    `keep_live` False: the new state gets no holder; the child that made it
+    stays as its only process, for the next cell (a notebook run's
+    intermediate state), and once that is taken the state is restored from
+    the store when run from again.
+    """
     code: str
     new_name: str
     auto_named: bool
     exec_id: str | None = None
     stream: bool = False
+    keep_live: bool = True
 
     def failed(self, error):
         """The result that reports `error` for this request."""

@@ -67,6 +67,23 @@ def test_an_edit_runs_that_cell_and_its_dependents_only(server):
     assert final["output"][0]["text"] == "2 8 100 9 200\n"
 
 
+def test_states_a_run_goes_on_from_get_no_holder_and_restore_from_the_store(server):
+    """The process that ran a cell runs the next one without forking a holder for the
+    state between them; the state the run ends on keeps one. A state left without
+    one is restored from the store when something runs from it."""
+    nb = cells("chain", "a = [1]", "b = a + [2]", "c = b + [3]", "print(c)")
+    first = run(server, "chain", nb)
+    names = [cell(first, f"c{n}")["state_name"] for n in range(4)]
+    assert [server.get(f"/states/{n}").json()["live"] for n in names] == \
+        [False, False, False, True]
+    after = server.execute("print(a, b)", names[1])
+    assert after["output"][0]["text"] == "[1] [1, 2]\n"
+    nb[2]["source"] = nb[2]["source"].replace("[3]", "[4]")
+    second = run(server, "chain", nb)
+    assert statuses(second) == {"c0": "reused", "c1": "reused", "c2": "ran", "c3": "ran"}
+    assert shown(second, "c3") == "[1, 2, 4]"
+
+
 def test_a_second_run_runs_nothing_also_after_a_restart(make_server, tmp_path):
     data = tmp_path / "store"
     srv = make_server(data)

@@ -117,7 +117,7 @@ def required_versions(needs, states):
     return required, sources
 
 
-def compose(required, sources, candidates, volatile=(), exact=False, live=()):
+def compose(required, sources, candidates, volatile=(), exact=False, live=(), preferred=None):
     """How to make a state holding `required` versions from the states at hand.
 
     `candidates` are (state name, provenance) pairs, best first when they
@@ -126,9 +126,11 @@ def compose(required, sources, candidates, volatile=(), exact=False, live=()):
     state, and removing `drops`. The base is the candidate matching the most
     names (names in `volatile` count most: they are live only in the state
     that made them, and taken from another state they would be recomputed),
-    a state in `live` (with a live holder) before one that must be restored.
-    The rest is taken from as few states as can give it. With `exact`,
-    names not in `required` are dropped too.
+    a state in `live` (with a live holder) or the `preferred` one (the
+    previous cell's: a cell that reads nothing runs on from it, not from
+    `initial`, so that the cells after it find what they read) before one
+    that must be restored. The rest is taken from as few states as can give
+    it. With `exact`, names not in `required` are dropped too.
     """
     def holds(candidate, name):
         """True when the candidate state has the required version of `name`."""
@@ -142,7 +144,7 @@ def compose(required, sources, candidates, volatile=(), exact=False, live=()):
         """How many required names a candidate holds in the right version; live or not."""
         held = sum(1 + (len(required) + 1) * (name in volatile)
                    for name in required if holds(candidate, name))
-        return held, candidate[0] in live
+        return held, candidate[0] in live or candidate[0] == preferred
 
     best = max(candidates, key=score)  # max keeps the first of equals
     base, prov = best

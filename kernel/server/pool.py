@@ -40,17 +40,21 @@ class LiveState:
 
     A state made by a cell gets its holder a moment later: the child that
     made it stays as its first spare and forks the holder, which connects
-    on its own (`conn` is None until then).
+    on its own (`conn` is None until then). A state made without a holder
+    (`holderless`: protocol.Execute.keep_live) is live only through that
+    child, until a request takes it.
     """
 
-    def __init__(self, state_id, conn, cold=False, connect_within=None):
+    def __init__(self, state_id, conn, cold=False, connect_within=None, holderless=False):
         """Track the holder of `state_id` on `conn`; `cold`: forked by the cold zygote.
 
-        conn None: the holder is expected to connect within `connect_within` seconds.
+        conn None: the holder is expected to connect within `connect_within`
+        seconds, unless the state is `holderless`.
         """
         self.state_id = state_id
         self.conn = conn
         self.cold = cold
+        self.holderless = holderless
         self.spares = queue.Queue()
         self.forks_owed = 0  # spares asked for before the holder connected
         self.child_that_made_it = None  # while it is still an unused spare
@@ -63,6 +67,8 @@ class LiveState:
         """False once the holder process is gone or stopped, or did not connect in time."""
         if self.stopped:
             return False
+        if self.holderless:
+            return True
         if self.conn is None:
             return time.monotonic() < self.deadline
         return self.conn.alive
@@ -73,23 +79,27 @@ class LiveState:
 
         Called with the pool's lock held (see Pool._attach).
         """
+        if self.holderless:
+            return False
         if self.conn is None:
             self.forks_owed += 1
             return True
         return self.conn.send(protocol.Fork(now))
 
     def rss(self):
-        """Resident memory of the holder in bytes (0 if it is gone or not connected).
+        """Resident memory of the holder in bytes (0 if it is gone or not connected; that
+        of the only child of a holderless state).
 
         Read again through a file kept open: every cell that makes a state sums
         the live holders' memory (Pool._evict), and opening 16 files costs that
         cell about 0.3 ms, reading them again 0.05 ms.
         """
-        if self.conn is None:
+        process = self.child_that_made_it if self.holderless else self.conn
+        if process is None:
             return 0
         try:
             if self.statm is None:
-                self.statm = open(f"/proc/{self.conn.pid}/statm", "rb", buffering=0)
+                self.statm = open(f"/proc/{process.pid}/statm", "rb", buffering=0)
             return int(os.pread(self.statm.fileno(), 128, 0).split()[1]) * PAGE_BYTES
         except (OSError, IndexError, ValueError):
             return 0
@@ -309,10 +319,11 @@ class Pool:
         live.first_spare_coming = self.settings["workers.spare_children"] > 0
         return self._adopt(manifest["id"], live)
 
-    def adopt_made(self, state_id, child):
+    def adopt_made(self, state_id, child, holder=True):
         """The state `state_id` was made by `child`'s cell: it stays as the first spare,
-        and the holder it forks is attached when it connects."""
-        live = LiveState(state_id, None,
+        and the holder it forks is attached when it connects; with `holder` False,
+        it forks none and is the state's only process (LiveState.holderless)."""
+        live = LiveState(state_id, None, holderless=not holder,
                          connect_within=self.settings["workers.worker_start_timeout_s"])
         live.child_that_made_it = child
         live.spares.put(child)
@@ -352,6 +363,8 @@ class Pool:
 
         Pair every successful call with `cell_done` once the request is over.
         """
+        if live.holderless:
+            return self._take_only_child(live)
         timeout = self.settings["workers.worker_start_timeout_s"]
         while True:
             try:
@@ -390,6 +403,24 @@ class Pool:
                     self.cells += 1
                 return child
             child.kill()
+
+    def _take_only_child(self, live):
+        """The child of a holderless state; the state is no longer live once it is taken
+        (a later request restores it from the store)."""
+        with self.lock:
+            if self.live.get(live.state_id) is live:
+                del self.live[live.state_id]
+            try:
+                child = live.spares.get_nowait()
+            except queue.Empty:
+                child = None
+            live.stop()
+            if child is not None and child.idle():
+                self.cells += 1
+                return child
+        if child is not None:
+            child.kill()
+        raise WorkerError("WorkerDied", "the state's only process is gone")
 
     def _replace(self, live, taken):
         """Ask for a spare in place of `taken`: now, or at the next quiet moment if

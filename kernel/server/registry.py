@@ -162,11 +162,13 @@ class Registry:
 
     # Requests that run code --------------------------------------------------
 
-    def execute(self, code, exec_id, state_name, new_name=None, on_output=None):
+    def execute(self, code, exec_id, state_name, new_name=None, on_output=None,
+                keep_live=True):
         """Run `code` from `state_name`; on success name the new state `new_name`.
 
         Returns the ExecuteAnswer; `on_output(item)` receives the outputs as
         the cell produces them (the NDJSON lines of a streamed answer).
+        `keep_live` False: the new state gets no holder (protocol.Execute).
         """
         manifest = self._lookup(state_name)
         with self.lock:
@@ -176,11 +178,12 @@ class Registry:
         _check_new_name(new_name)
         request = protocol.Execute(code=code, new_name=new_name or uuid.uuid4().hex,
                                    auto_named=new_name is None, exec_id=_key(exec_id),
-                                   stream=on_output is not None)
+                                   stream=on_output is not None, keep_live=keep_live)
         result, child = self.supervisor.run(manifest, request, on_output)
         answer = result.answer
         self._raise_store_error(answer.error, request.new_name)
-        kept = result.manifest is None or self._bind(result.manifest, child, generation)
+        kept = result.manifest is None or self._bind(result.manifest, child, generation,
+                                                     keep_live)
         trace.stamp("bound", request.exec_id)
         if not kept:
             answer.state_name = None
@@ -255,8 +258,9 @@ class Registry:
         if failure is not None:
             raise failure(error["evalue"])
 
-    def _bind(self, manifest, child, generation):
-        """Point the manifest's name at it and keep its child as the first spare.
+    def _bind(self, manifest, child, generation, holder=True):
+        """Point the manifest's name at it and keep its child as the first spare (and, with
+        `holder` False, as its only process).
 
         False (and the state dropped) when a reset came after the run started.
         """
@@ -270,7 +274,7 @@ class Registry:
             self.names[manifest["name"]] = manifest
         if self.shared:
             self.shared.bound(manifest)
-        self.pool.adopt_made(manifest["id"], child)
+        self.pool.adopt_made(manifest["id"], child, holder)
         if old is not None and old["id"] != manifest["id"]:
             self.pool.retire(old["id"])
         return True

@@ -58,6 +58,9 @@ class CellChild:
                 if made is None:
                     os._exit(0)
                 self.state.manifest = made
+                if isinstance(msg, protocol.Execute) and not msg.keep_live:
+                    msg = self.channel.recv()  # no holder: this process is the state's
+                    continue
                 # Fork once the server has read the answer and sent its reply (a fork at
                 # once delays both, by a millisecond or more when the cores were idle),
                 # or as soon as the next request comes: it must not run before the
