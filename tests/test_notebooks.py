@@ -84,6 +84,20 @@ def test_states_a_run_goes_on_from_get_no_holder_and_restore_from_the_store(serv
     assert shown(second, "c3") == "[1, 2, 4]"
 
 
+def test_a_cell_that_kills_its_process_leaves_the_state_before_it_to_the_store(server):
+    """The process that made c1's state (and held it alone) died running c2; the next
+    run finds that state in the store and goes on from it."""
+    nb = cells("crash", "a = 1", "b = a + 1", "import os\nos._exit(3)", "print(b)")
+    first = run(server, "crash", nb)
+    assert statuses(first) == {"c0": "ran", "c1": "ran", "c2": "failed", "c3": "not_run"}
+    assert cell(first, "c2")["error"]["ename"] == "WorkerDied"
+    assert not server.get(f"/states/{cell(first, 'c1')['state_name']}").json()["live"]
+    nb[2]["source"] = nb[2]["source"].replace("import os\nos._exit(3)", "c = b * 10")
+    second = run(server, "crash", nb)
+    assert statuses(second) == {"c0": "reused", "c1": "reused", "c2": "ran", "c3": "ran"}
+    assert shown(second, "c3") == "2"
+
+
 def test_a_second_run_runs_nothing_also_after_a_restart(make_server, tmp_path):
     data = tmp_path / "store"
     srv = make_server(data)
