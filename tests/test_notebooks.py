@@ -98,6 +98,23 @@ def test_a_cell_that_kills_its_process_leaves_the_state_before_it_to_the_store(s
     assert shown(second, "c3") == "2"
 
 
+def test_an_edit_runs_on_the_last_runs_final_state_without_its_later_names(server):
+    """An edited first cell runs on in the state the last run ended on (live, unlike its
+    own input state), but a later name that state holds is not seen before the cell
+    that defines it."""
+    probe = "print(a)\ntry:\n    c\nexcept NameError:\n    print('no c')\nelse:\n    print('c', c)"
+    nb = cells("final-base", "a = 1", probe, "c = a * 2")
+    first = run(server, "final-base", nb)
+    assert shown(first, "c1") == "1\nno c"
+    nb[0]["source"] = nb[0]["source"].replace("a = 1", "a = 5")
+    second = run(server, "final-base", nb)
+    assert statuses(second) == {"c0": "ran", "c1": "ran", "c2": "ran"}
+    assert shown(second, "c1") == "5\nno c"
+    # c0 ran in the last run's final state (execution counts go on from it).
+    assert cell(second, "c0")["execution_count"] == cell(first, "c2")["execution_count"] + 1
+    assert server.execute("print(a, c)", second["state_name"])["output"][0]["text"] == "5 10\n"
+
+
 def test_a_second_run_runs_nothing_also_after_a_restart(make_server, tmp_path):
     data = tmp_path / "store"
     srv = make_server(data)

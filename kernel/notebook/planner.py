@@ -126,11 +126,11 @@ def compose(required, sources, candidates, volatile=(), exact=False, live=(), pr
     state, and removing `drops`. The base is the candidate matching the most
     names (names in `volatile` count most: they are live only in the state
     that made them, and taken from another state they would be recomputed),
-    a state in `live` (with a live holder) or the `preferred` one (the
-    previous cell's: a cell that reads nothing runs on from it, not from
-    `initial`, so that the cells after it find what they read) before one
-    that must be restored. The rest is taken from as few states as can give
-    it. With `exact`, names not in `required` are dropped too.
+    then a state in `live` (with a live holder) that holds any name, then
+    the `preferred` one (the previous cell's: a cell that reads nothing runs
+    on from it rather than from the empty `initial`, so that the cells after
+    it find what they read). The rest is taken from as few states as can
+    give it. With `exact`, names not in `required` are dropped too.
     """
     def holds(candidate, name):
         """True when the candidate state has the required version of `name`."""
@@ -141,10 +141,11 @@ def compose(required, sources, candidates, volatile=(), exact=False, live=(), pr
         return prov.get(name) == version and version != UNKNOWN
 
     def score(candidate):
-        """How many required names a candidate holds in the right version; live or not."""
+        """How many required names a candidate holds in the right version; then whether
+        it is live and not empty; then whether it is the preferred one."""
         held = sum(1 + (len(required) + 1) * (name in volatile)
                    for name in required if holds(candidate, name))
-        return held, candidate[0] in live or candidate[0] == preferred
+        return held, candidate[0] in live and bool(candidate[1]), candidate[0] == preferred
 
     best = max(candidates, key=score)  # max keeps the first of equals
     base, prov = best

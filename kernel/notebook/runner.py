@@ -89,6 +89,7 @@ class _Run:
         self.stopped = False
         self.executing = False  # a cell is in Registry.execute
         self.results = {}       # cell key -> result, stored when the run ends
+        self.last_final = []    # see Runner._last_final
 
 
 class Runner:
@@ -188,6 +189,7 @@ class Runner:
                 record["diagnostics"] = graph.diagnostics
                 for i, key in keys.items():
                     record["cells"][i]["key"] = key
+            run.last_final = self._last_final(name)
             done = _Progress(self, run, progress)
             states = self._cells(run, graph, keys, stored, plan, sources, analyses, done)
             final = self._final(run, graph, keys, states, analyses)
@@ -208,6 +210,24 @@ class Runner:
         """{key: result} of the stored results among `keys` whose state still exists."""
         found = self.store.results(set(keys))
         return {k: r for k, r in found.items() if self._exists(r["state"])}
+
+    def _last_final(self, name):
+        """[(state, provenance)] of the state notebook `name`'s last run ended on, when it
+        is live; else [].
+
+        An edit's first cell can run there, as in Jupyter's live kernel, instead
+        of in its input state restored from the store: a run leaves holders only
+        on the states it ends or pauses on (see _cells).
+        """
+        record = self.store.record(name)
+        state = (record or {}).get("state_name") or ""
+        key = state[len(STATE_PREFIX):]
+        if not state.startswith(STATE_PREFIX) or not self._live(state):
+            return []
+        result = self.store.results([key]).get(key)
+        if result is None or result["state"] != state:
+            return []
+        return [(state, result["provenance"])]
 
     def _exists(self, state):
         """True when the kernel knows a state of that name."""
@@ -287,7 +307,7 @@ class Runner:
         try:
             try:
                 base, provenance = self._compose(required, sourced, states, previous,
-                                                 volatile, temps)
+                                                 volatile, temps, also=run.last_final)
             except _ComposeFailed as exc:
                 return {}, exc.error
             try:
@@ -332,17 +352,18 @@ class Runner:
         return made
 
     def _compose(self, required, sourced, states, previous, volatile, temps, exact=False,
-                 name=None):
+                 name=None, also=()):
         """A state holding the required versions: (state name, its provenance).
 
         Candidates are the cells' states, the previous cell's first (so that
-        execution counts follow the run), the latest next, `initial` last.
-        States made on the way are added to `temps`, but for the last one
-        when it is given a `name`.
+        execution counts follow the run), the latest next, then `also`
+        [(state, provenance)], `initial` last. States made on the way are
+        added to `temps`, but for the last one when it is given a `name`.
         """
         candidates, seen = [], set()
         order = ([previous] if previous is not None else []) + sorted(states, reverse=True)
-        for state, prov, _ in [states[p] for p in order] + [("initial", {}, ())]:
+        for state, prov, _ in [states[p] for p in order] + [(s, p, ()) for s, p in also] + [
+                ("initial", {}, ())]:
             if state not in seen:
                 seen.add(state)
                 candidates.append((state, prov))
@@ -427,7 +448,8 @@ class Runner:
         temps = []
         try:
             state, provenance = self._compose(required, sourced, states, None, (), temps,
-                                              exact=True, name=f"{STATE_PREFIX}{key}")
+                                              exact=True, name=f"{STATE_PREFIX}{key}",
+                                              also=run.last_final)
         except _ComposeFailed:
             return None
         finally:
