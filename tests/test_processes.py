@@ -192,6 +192,26 @@ def test_state_gets_its_holder_without_a_next_request(make_server):
         time.sleep(0.02)
 
 
+def test_state_whose_maker_died_before_forking_its_holder_is_restored_soon(make_server):
+    """The child that made a state dies before it forks the holder (here a cell's at-fork
+    hook exits it): the next cell from the state does not wait worker_start_timeout_s
+    for a holder that will never connect, but runs in the state restored from the store."""
+    srv = make_server(config="[workers]\nworker_start_timeout_s = 30\n")
+    srv.execute("import os\nos.register_at_fork(before=lambda: os._exit(0))\nx = 1",
+                new="hooked")
+    started = time.monotonic()
+    while True:
+        attempt = time.monotonic()
+        answer = srv.execute("print(x + 1)", state="hooked", ok=False)
+        assert time.monotonic() - attempt < 10, answer
+        if answer["error"] is None:
+            break
+        # Sent while that child was still dying (it forks 2 ms after its answer).
+        assert answer["error"]["ename"] == "WorkerDied", answer["error"]
+        assert time.monotonic() - started < 20
+    assert answer["output"][0]["text"] == "2\n"
+
+
 def test_next_cell_runs_in_the_process_that_made_its_state(make_server):
     """In a notebook run in order, the child that made a state takes the next cell itself
     (its holder forked off); earlier states stay intact and their dead holders are reaped."""

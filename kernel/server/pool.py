@@ -24,6 +24,10 @@ from kernel.server.connections import Connections
 
 log = logging.getLogger("snapshot_kernel")
 PAGE_BYTES = os.sysconf("SC_PAGE_SIZE")
+# Once the child that made a state is found dead before the state's holder connected, the
+# holder (if it was forked at all) has this long to connect; then the state counts as not
+# live, and is restored when run from.
+HOLDER_AFTER_MAKER_S = 2.0
 
 
 class WorkerError(Exception):
@@ -141,6 +145,8 @@ class Pool:
         self.restores_waiting = {}  # Spawn req -> queue receiving the holder's connection
         self.restoring = {}  # state id -> Event set when its restore is over
         self.spares_before_adoption = {}  # state id -> spares that connected before it was live
+        # pid of a child that made a state -> the LiveState, until the holder it forks connects
+        self.awaiting_holder = {}
         self.holders_before_adoption = {}  # state id -> holder conn that connected likewise
         self.stopped_states = set()  # state ids whose late-arriving workers are killed
         self.zygotes = []  # connected zygotes: the cold one, then the warm one
@@ -327,6 +333,9 @@ class Pool:
                          connect_within=self.settings["workers.worker_start_timeout_s"])
         live.child_that_made_it = child
         live.spares.put(child)
+        if holder:
+            with self.lock:
+                self.awaiting_holder[child.pid] = live
         self._adopt(state_id, live)
 
     def _adopt(self, state_id, live):
@@ -354,6 +363,7 @@ class Pool:
         """`conn` is the holder process of `live`'s state (called with the lock held)."""
         live.conn = conn
         self.live_by_pid[conn.pid] = live
+        self._forget_maker(live)
         for _ in range(live.forks_owed):
             conn.send(protocol.Fork())
         live.forks_owed = 0
@@ -383,10 +393,7 @@ class Pool:
                         live.ask_fork()
                 if not asked:
                     raise WorkerError("WorkerDied", "the state's holder process is gone")
-                try:
-                    child = live.spares.get(timeout=timeout)
-                except queue.Empty:
-                    raise WorkerError("WorkerStartFailed", "no child process arrived") from None
+                child = self._wait_spare(live, timeout)
                 if coming and child is not None:
                     self._replace(live, child)
             else:
@@ -403,6 +410,36 @@ class Pool:
                     self.cells += 1
                 return child
             child.kill()
+            self.child_died(child.pid)
+
+    def child_died(self, pid):
+        """Child `pid` died. If it made a state whose holder has not connected, it may have
+        died before it forked that holder (the OOM killer; a cell's os.register_at_fork
+        hook): the state waits HOLDER_AFTER_MAKER_S more for it, not
+        worker_start_timeout_s."""
+        with self.lock:
+            live = self.awaiting_holder.pop(pid, None)
+            if live is not None and live.conn is None:
+                live.deadline = min(live.deadline, time.monotonic() + HOLDER_AFTER_MAKER_S)
+
+    def _forget_maker(self, live):
+        """`live` waits for no holder any more (lock held)."""
+        for pid in [p for p, waiting in self.awaiting_holder.items() if waiting is live]:
+            del self.awaiting_holder[pid]
+
+    def _wait_spare(self, live, timeout):
+        """The next spare of `live` within `timeout` seconds; WorkerError if none comes,
+        or as soon as the state stops being live (its holder will not connect)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                return live.spares.get(timeout=min(0.1, max(deadline - time.monotonic(), 0)))
+            except queue.Empty:
+                pass
+            if not live.alive():
+                raise WorkerError("WorkerDied", "the state's holder did not come")
+            if time.monotonic() >= deadline:
+                raise WorkerError("WorkerStartFailed", "no child process arrived")
 
     def _take_only_child(self, live):
         """The child of a holderless state; the state is no longer live once it is taken
@@ -510,6 +547,7 @@ class Pool:
             if live.conn is not None:
                 self.live_by_pid.pop(live.conn.pid, None)
             self.stopped_states.add(live.state_id)
+            self._forget_maker(live)
         live.stop()
 
     def _evict(self):

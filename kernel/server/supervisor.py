@@ -103,6 +103,7 @@ class Supervisor:
             if msg is None:
                 status = self.pool.exit_status(run.child.pid)
                 run.child.kill()
+                self.pool.child_died(run.child.pid)
                 if run.stopped:
                     return request.failed(protocol.error(*run.stopped))
                 return request.failed(protocol.error("WorkerDied",
