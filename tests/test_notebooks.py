@@ -115,6 +115,26 @@ def test_an_edit_runs_on_the_last_runs_final_state_without_its_later_names(serve
     assert server.execute("print(a, c)", second["state_name"])["output"][0]["text"] == "5 10\n"
 
 
+def test_after_a_restart_an_edited_cell_that_reads_nothing_runs_on_from_the_cell_before(
+        make_server, tmp_path):
+    """After a restart only `initial` is live: a cell that reads nothing still runs in the
+    state of the cell before it (restored), not in the empty `initial`, so its state holds
+    the earlier names and its execution count follows the run."""
+    data = tmp_path / "store"
+    srv = make_server(data)
+    nb = cells("counts", "a = 1", "b = 2", "c = a + 1")
+    first = run(srv, "counts", nb)
+    srv.stop()
+    srv = make_server(data)
+    srv.execute("1 + 1")  # `initial` is the one live state now
+    nb[1]["source"] = nb[1]["source"].replace("b = 2", "b = 3")
+    second = run(srv, "counts", nb)
+    assert statuses(second) == {"c0": "reused", "c1": "ran", "c2": "reused"}
+    assert cell(second, "c1")["execution_count"] == cell(first, "c0")["execution_count"] + 1
+    assert srv.execute("print(a, b)", cell(second, "c1")["state_name"])["output"][0]["text"] \
+        == "1 3\n"
+
+
 def test_a_second_run_runs_nothing_also_after_a_restart(make_server, tmp_path):
     data = tmp_path / "store"
     srv = make_server(data)
