@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from bench import notebook, peers, profile, report
+from bench import floors, notebook, peers, profile, report
 from conftest import ROOT
 from kernel import trace
 
@@ -188,3 +188,15 @@ def test_notebook_workload_edits_its_parameter_cell():
     assert len(before) == len(after) == 30
     assert [n for n, (b, a) in enumerate(zip(before, after)) if b != a] == [notebook.NB_EDITED]
     assert after[notebook.NB_EDITED] == "THRESHOLD = 123"
+
+
+def test_floors_measure_each_crossing(tmp_path):
+    """The floors' servers answer their route, the hop and the commits happen, and the
+    durable write leaves nothing behind (each a median of real round trips, in seconds)."""
+    for script in (floors._RAW_SERVER, floors._BOTTLE_SERVER):
+        assert 0 < floors._http_floor(script, 0.0) < 1.0  # raises unless every answer is 200
+    assert 0 < floors._hop_floor(0.0) < 1.0
+    assert 0 < floors._commit_floor(str(tmp_path), 0.0) < 1.0
+    assert list(tmp_path.glob("floor-lmdb-*/data.mdb"))
+    assert floors._durable_write_seconds(str(tmp_path), 8 << 20) > 0
+    assert not (tmp_path / "floor-write").exists()

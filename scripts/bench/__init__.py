@@ -2,7 +2,10 @@
 
 The parts: `peers` (the servers under test, behind the same calls),
 `workloads` (what is measured, a to g), `notebook` (nb: this server's
-notebook runs against nbclient), `report` (the table and BENCHMARKS.md),
-`profile` (--profile: this server's phases from its own trace), `cli`
+notebook runs against nbclient), `scaling` (s: costs by state size),
+`floors` (fl: what this machine allows under a cell and a save), `report`
+(the table and BENCHMARKS.md), `profile` (--profile: this server's phases from its own trace), `cli`
 (the command line of scripts/bench.py, which runs it).
 """
+
+PAUSE_S = 0.3  # a person's pause before a cell (workloads a and fl)

@@ -193,7 +193,15 @@ time its `make()` took, measured in the cell; the same `make()` in a plain
 interpreter is shown beside it), the store's growth, a restart's
 first answer and full load (server start to the holder's `loaded` trace
 stamp: every variable of the state in its memory) and the workers' PSS;
-run alone (`--only s`) it writes the section "Results: scaling"."""
+run alone (`--only s`) it writes the section "Results: scaling".
+
+The floors (fl, `floors.py`) run right after workload a, with no server of
+ours in them: what a trivial cell must cross at the least here (an HTTP
+round trip to a route of bottle on cheroot that reads JSON, a byte to a
+forked process and back, a synced LMDB commit of one small record), back
+to back and paced as in a, and their sum; beside them a raw HTTP server (a
+thread per connection, no framework) and the time to write and sync 1 GiB
+(`--quick`: 256 MiB) beside the bench's stores, under a large first save."""
 
 
 def write_markdown(path, p, table, details, seconds, mach):

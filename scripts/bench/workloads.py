@@ -12,13 +12,14 @@ import tempfile
 import threading
 import time
 
+from bench import PAUSE_S
+from bench.floors import wl_floors
 from bench.notebook import wl_notebook
 from bench.peers import Dill, Ipykernel, Ours, Reference, added_bytes
 from bench.report import Table, fmt_ms, fmt_size, median
 from bench.scaling import wl_scaling
 
 MB = 10 ** 6
-PAUSE_S = 0.3  # a person's pause before a cell (workload a)
 SLOW_CELL_S, SLOW_CHAIN = 1.0, 3  # workload a: a peer this slow a cell runs a chain this long
 _ids = itertools.count()
 
@@ -404,11 +405,11 @@ NO_STORE = {"ref": "n/a (no store)", "ipykernel": "n/a (no store)"}
 
 # In the order they run: g first, as it restarts every peer; e and d use a's big state;
 # nb last, as it resets this server (every state gone).
-WORKLOADS = {"g": wl_start_memory, "a": wl_trivial, "e": wl_metadata, "b1": wl_append,
-             "b2": wl_update, "b3": wl_read, "f": wl_parallel, "c": wl_interrupt,
-             "d": wl_restart, "nb": wl_notebook, "s": wl_scaling}
+WORKLOADS = {"g": wl_start_memory, "a": wl_trivial, "fl": wl_floors, "e": wl_metadata,
+             "b1": wl_append, "b2": wl_update, "b3": wl_read, "f": wl_parallel,
+             "c": wl_interrupt, "d": wl_restart, "nb": wl_notebook, "s": wl_scaling}
 # Workloads that measure this server alone: run only these and no other peer is started.
-OURS_ONLY = {"nb", "s"}
+OURS_ONLY = {"nb", "s", "fl"}
 # Workloads run only when named (--only): s makes states of up to 4 GB and takes minutes.
 NAMED_ONLY = {"s"}
 
