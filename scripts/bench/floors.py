@@ -10,7 +10,11 @@ LMDB's default syncs, in the directory the bench's stores are in. Like
 workload a, back to back and with a person's pause before each, since a
 pause lets the machine go cold. Their sum is the least a trivial cell
 can take here, whatever this server does; the raw HTTP row (a thread per
-connection, no framework) shows what the stack itself costs.
+connection, no framework) shows what the stack itself costs. Back to
+back, a cell also waits for the fork of the state's holder before it
+(the design forks it after the answer, and no cell may run before it):
+the fork of a process that imported what a holder has is the last row of
+each kind.
 
 A large first save must at the least write its bytes to disk durably:
 the last row writes 1 GB (--quick: 256 MB) of incompressible bytes into
@@ -29,7 +33,8 @@ import time
 from bench import PAUSE_S
 from bench.report import fmt_ms, median
 
-_CALLS = 30  # round trips per floor and pause (the first 5 not counted: warm-up)
+_CALLS = 20  # round trips per floor, pause and round (the first 5 not counted: warm-up)
+_ROUNDS = 2  # the floors take turns, so that a disturbance of the machine is not one's alone
 
 # An HTTP/1.1 keep-alive server with a thread per connection and no framework.
 _RAW_SERVER = r"""
@@ -89,6 +94,23 @@ print(json.dumps(times))
 """
 
 
+# fork() of a process that imported what every holder has (the warm zygote's imports).
+_FORKS = r"""
+import json, os, sys, time
+import numpy, pandas, matplotlib.pyplot, IPython
+times = []
+for i in range(int(sys.argv[1])):
+    time.sleep(float(sys.argv[2]))
+    start = time.perf_counter()
+    pid = os.fork()
+    if pid == 0:
+        os._exit(0)
+    times.append(time.perf_counter() - start)
+    os.waitpid(pid, 0)
+print(json.dumps(times))
+"""
+
+
 def _server(script):
     """A server subprocess running `script`, and the port it printed."""
     proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
@@ -114,17 +136,17 @@ def _http_round_trips(port, pause):
 
 
 def _http_floor(script, pause):
-    """Median round trip to a server running `script`."""
+    """Seconds of the round trips to a server running `script`."""
     proc, port = _server(script)
     try:
-        return median(_http_round_trips(port, pause))
+        return _http_round_trips(port, pause)
     finally:
         proc.kill()
         proc.wait()
 
 
 def _hop_floor(pause):
-    """Median round trip of one byte to a forked process and back (a Unix socket)."""
+    """Seconds of round trips of one byte to a forked process and back (a Unix socket)."""
     here, there = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
     pid = os.fork()
     if pid == 0:
@@ -144,15 +166,23 @@ def _hop_floor(pause):
     finally:
         here.close()
         os.waitpid(pid, 0)
-    return median(times[5:])
+    return times[5:]
 
 
 def _commit_floor(folder, pause):
-    """Median synced LMDB commit of one small record, in a process of its own."""
+    """Seconds of synced LMDB commits of one small record, in a process of its own."""
     path = tempfile.mkdtemp(dir=folder, prefix="floor-lmdb-")
     done = subprocess.run([sys.executable, "-c", _COMMITS, path, str(_CALLS), str(pause)],
                           capture_output=True, text=True, check=True)
-    return median(json.loads(done.stdout)[5:])
+    return json.loads(done.stdout)[5:]
+
+
+def _fork_floor(pause):
+    """Seconds of fork() calls of a process holding a holder's imports."""
+    done = subprocess.run([sys.executable, "-c", _FORKS, str(_CALLS), str(pause)],
+                          capture_output=True, text=True, check=True,
+                          env=dict(os.environ, MPLBACKEND="Agg"))
+    return json.loads(done.stdout)[5:]
 
 
 def _durable_write_seconds(folder, size):
@@ -176,12 +206,19 @@ def wl_floors(peers, p, table, details, keep):
     folder = peers["ours"].dir  # beside its store
     for pause in (0.0, PAUSE_S):
         when = "back to back" if pause == 0 else f"{PAUSE_S} s pause before each"
-        floors = {"bottle on cheroot": _http_floor(_BOTTLE_SERVER, pause),
-                  "process hop": _hop_floor(pause),
-                  "synced commit": _commit_floor(folder, pause)}
-        raw = _http_floor(_RAW_SERVER, pause)
+        measures = {"raw HTTP": lambda: _http_floor(_RAW_SERVER, pause),
+                    "bottle on cheroot": lambda: _http_floor(_BOTTLE_SERVER, pause),
+                    "process hop": lambda: _hop_floor(pause),
+                    "synced commit": lambda: _commit_floor(folder, pause),
+                    "fork": lambda: _fork_floor(pause)}
+        samples = {name: [] for name in measures}
+        for _ in range(_ROUNDS):
+            for name, measure in measures.items():
+                samples[name] += measure()
+        floors = {name: median(times) for name, times in samples.items()}
         table.add("fl", f"HTTP round trip, a thread per connection, no framework ({when})",
-                  {"ours": raw})
+                  {"ours": floors.pop("raw HTTP")})
+        fork = floors.pop("fork")
         table.add("fl", f"HTTP round trip, bottle on cheroot, JSON in and out ({when})",
                   {"ours": floors["bottle on cheroot"]})
         table.add("fl", f"a byte to a forked process and back ({when})",
@@ -190,6 +227,8 @@ def wl_floors(peers, p, table, details, keep):
                   {"ours": floors["synced commit"]})
         table.add("fl", f"sum of the three above: the least a trivial cell can take here "
                   f"({when}; a's target: ≤ 3 ms)", {"ours": sum(floors.values())})
+        table.add("fl", f"fork() of a process with a holder's imports ({when}); back to back, "
+                  "a cell waits for this too", {"ours": fork})
     size = 2 ** 30 if p["mode"] == "full" else 2 ** 28
     seconds = _durable_write_seconds(folder, size)
     label = "1 GiB" if size == 2 ** 30 else "256 MiB"

@@ -200,8 +200,10 @@ ours in them: what a trivial cell must cross at the least here (an HTTP
 round trip to a route of bottle on cheroot that reads JSON, a byte to a
 forked process and back, a synced LMDB commit of one small record), back
 to back and paced as in a, and their sum; beside them a raw HTTP server (a
-thread per connection, no framework) and the time to write and sync 1 GiB
-(`--quick`: 256 MiB) beside the bench's stores, under a large first save."""
+thread per connection, no framework), the fork of a process that imported
+what a holder has (back to back, a cell waits for its state's holder to be
+forked), and the time to write and sync 1 GiB (`--quick`: 256 MiB) beside
+the bench's stores, under a large first save."""
 
 
 def write_markdown(path, p, table, details, seconds, mach):
