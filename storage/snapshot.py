@@ -59,34 +59,41 @@ def _sha(data):
     return hashlib.sha256(data).hexdigest()
 
 
+def _key_and_digest(piece):
+    """A new chunk's blob key and the digest that vouches for it later (storage/pages.py)."""
+    return _sha(piece), pages.digest(piece)
+
+
 def _chunks(pickled, chunk, workers=1, hashed=None):
     """Split out-of-band buffers into chunks: [(piece, key)] and chunks per buffer.
 
     Each chunk is a blob of its own, so a changed column of a 2-D pandas
-    block costs its own chunks, not the block. A chunk whose pages are
-    still shared with the parent state keeps its key without hashing; the
-    others are hashed on `workers` threads, and hashed(piece, key) is
-    called for each as soon as it is (a large state's blobs are written
-    meanwhile: Store.records).
+    block costs its own chunks, not the block. A chunk whose bytes are
+    known unchanged since it was stored (storage/pages.py) keeps its key
+    without hashing; the others are hashed on `workers` threads, and
+    hashed(piece, key) is called for each as soon as it is (a large
+    state's blobs are written meanwhile: Store.records).
     """
     known, layout = [], []
     for view in pickled.buffers:
-        keys = pages.known_keys(view, chunk)
-        known += [(view[start:start + chunk], key)
-                  for start, key in zip(range(0, view.nbytes, chunk), keys)]
-        layout.append(len(keys))
-    todo = [piece for piece, key in known if key is None]
-    new = threads.ordered(_sha, todo, workers if len(todo) > 1 else 1)
-    pieces = []
-    for piece, key in known:
-        if key is None:
-            key = next(new)
+        entries = pages.known(view, chunk)
+        known += [(view[start:start + chunk], entry)
+                  for start, entry in zip(range(0, view.nbytes, chunk), entries)]
+        layout.append(len(entries))
+    todo = [piece for piece, entry in known if entry is None]
+    new = threads.ordered(_key_and_digest, todo, workers if len(todo) > 1 else 1)
+    pieces, digests = [], []
+    for piece, entry in known:
+        if entry is None:
+            entry = next(new)
             if hashed is not None:
-                hashed(piece, key)
-        pieces.append((piece, key))
+                hashed(piece, entry[0])
+        pieces.append((piece, entry[0]))
+        digests.append(entry[1])
     at = 0
     for view, count in zip(pickled.buffers, layout):
-        pages.remember(view, [key for _, key in pieces[at:at + count]], chunk)
+        pages.remember(view, [key for _, key in pieces[at:at + count]], chunk,
+                       digests[at:at + count])
         at += count
     return pieces, layout
 

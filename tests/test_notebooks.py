@@ -135,6 +135,36 @@ def test_after_a_restart_an_edited_cell_that_reads_nothing_runs_on_from_the_cell
         == "1 3\n"
 
 
+def test_in_place_writes_in_a_run_are_never_missed(make_server, tmp_path):
+    """Within a run each cell runs in the process that made the state before it, no fork
+    between them, so every page is its own: a buffer a cell only read keeps its hash (its
+    chunks' digests vouch for them), one it wrote a byte of is stored anew, and a restart
+    restores each state byte for byte."""
+    data = tmp_path / "store"
+    srv = make_server(data)
+    nb = cells("inplace", "import numpy as np\narr = np.zeros(2_000_000)\n"
+               "other = np.ones(2_000_000)", "total = float(arr.sum() + other.sum())",
+               "arr[1_500_000] = 7.0", "after = float(arr.sum())")
+    first = run(srv, "inplace", nb)
+    assert set(statuses(first).values()) == {"ran"}
+    names = [cell(first, f"c{n}")["state_name"] for n in range(4)]
+
+    def hashes(state):
+        """Symbol hashes of arr and other in `state`."""
+        return srv.post("/symbol_hashes", {"state_name": state,
+                                           "symbols": ["arr", "other"]}).json()["hashes"]
+
+    made, read, written = hashes(names[0]), hashes(names[1]), hashes(names[2])
+    assert read == made
+    assert written["arr"] != made["arr"] and written["other"] == made["other"]
+    srv.stop()
+    srv = make_server(data)
+    assert srv.value(names[0], "float(arr.sum()), float(other.sum())") == \
+        "(0.0, 2000000.0)"
+    assert srv.value(names[2], "float(arr[1_500_000]), float(arr.sum())") == "(7.0, 7.0)"
+    assert srv.value(names[3], "after") == "7.0"
+
+
 def test_a_second_run_runs_nothing_also_after_a_restart(make_server, tmp_path):
     data = tmp_path / "store"
     srv = make_server(data)

@@ -284,6 +284,26 @@ def test_in_place_writes_are_never_missed(make_server, tmp_path):
         == "(3.0, 7.0, 10.0)"
 
 
+def test_a_chunk_stored_in_this_process_is_vouched_for_by_its_digest():
+    """With no fork since a buffer was stored, its pages are this process's own: the
+    digest of each chunk's bytes tells an unchanged chunk from one written since."""
+    import hashlib
+
+    import numpy as np
+
+    from storage import pages
+    array = np.zeros(2 ** 18)  # 2 MiB: two 1 MiB chunks
+    view = memoryview(array).cast("B")
+    pieces = [view[:2 ** 20], view[2 ** 20:]]
+    keys = [hashlib.sha256(p).hexdigest() for p in pieces]
+    pages.remember(view, keys, 2 ** 20, [pages.digest(p) for p in pieces])
+    assert [entry[0] for entry in pages.known(view, 2 ** 20)] == keys
+    array[-1] = 1.0
+    assert [entry and entry[0] for entry in pages.known(view, 2 ** 20)] == [keys[0], None]
+    pages.remember(view, keys, 2 ** 20)  # no digests (a restored buffer): pages only
+    assert pages.known(view, 2 ** 20) == [None, None]
+
+
 def test_datetime_columns_are_stored_by_chunk_like_numbers(make_server, tmp_path):
     """A date column's bytes go out of band: a changed date stores about its chunk, not the
     column, and a restored one is the same values, dtype, view and hash."""
