@@ -93,29 +93,36 @@ def nb_data(path, rows):
 
 
 def nb_jupyter(sources, runs):
-    """nbclient + ipykernel on the whole notebook.
+    """nbclient + ipykernel on the whole notebook, `runs` times.
 
     Returns (median seconds including the kernel's start, median seconds of
-    the cells alone, [median seconds of each cell]).
+    the cells alone).
     """
-    totals, cells_only, per_cell = [], [], []
+    totals, cells_only = [], []
     for _ in range(runs):
-        nb = nbformat.v4.new_notebook()
-        nb.cells = [nbformat.v4.new_code_cell(src) for src in sources]
-        started = time.perf_counter()
-        NotebookClient(nb, timeout=600, kernel_name="python3", record_timing=True).execute()
-        totals.append(time.perf_counter() - started)
-        times = []
-        for cell in nb.cells:
-            ex = cell.metadata["execution"]
-            times.append((datetime.datetime.fromisoformat(ex["shell.execute_reply"].rstrip("Z"))
-                          - datetime.datetime.fromisoformat(
-                              ex["iopub.execute_input"].rstrip("Z"))).total_seconds())
-            if any(o.get("output_type") == "error" for o in cell.outputs):
-                raise RuntimeError(f"nbclient: a cell failed: {cell.source[:80]!r}")
-        per_cell.append(times)
+        total, times = nb_jupyter_once(sources)
+        totals.append(total)
         cells_only.append(sum(times))
-    return median(totals), median(cells_only), [median(c) for c in zip(*per_cell)]
+    return median(totals), median(cells_only)
+
+
+def nb_jupyter_once(sources):
+    """One nbclient run of the whole notebook: (seconds including the kernel's start,
+    [nbclient's timing of each cell])."""
+    nb = nbformat.v4.new_notebook()
+    nb.cells = [nbformat.v4.new_code_cell(src) for src in sources]
+    started = time.perf_counter()
+    NotebookClient(nb, timeout=600, kernel_name="python3", record_timing=True).execute()
+    total = time.perf_counter() - started
+    times = []
+    for cell in nb.cells:
+        ex = cell.metadata["execution"]
+        times.append((datetime.datetime.fromisoformat(ex["shell.execute_reply"].rstrip("Z"))
+                      - datetime.datetime.fromisoformat(
+                          ex["iopub.execute_input"].rstrip("Z"))).total_seconds())
+        if any(o.get("output_type") == "error" for o in cell.outputs):
+            raise RuntimeError(f"nbclient: a cell failed: {cell.source[:80]!r}")
+    return total, times
 
 
 def nb_run(peer, name, sources, order):
@@ -139,7 +146,7 @@ def wl_notebook(peers, p, table, details, keep):
     nb_data(csv_path, p["nb_rows"])
     sources = nb_sources(csv_path)
     print("    nbclient + ipykernel ...", flush=True)
-    jupyter_total, jupyter_cells, per_cell = nb_jupyter(sources, p["nb_first_runs"])
+    jupyter_total, jupyter_cells = nb_jupyter(sources, p["nb_first_runs"])
     peer.must("1 + 1")
     time.sleep(3)  # the warm zygote (numpy, pandas, matplotlib imported) is up by then
     lines = ["| order | run | this server | cells that ran | their time in ipykernel | "
@@ -156,6 +163,10 @@ def wl_notebook(peers, p, table, details, keep):
             raise RuntimeError(f"{order} order: a run with nothing changed ran cells")
         edits = []
         for k in range(p["nb_runs"]):
+            # Each edit is compared with an nbclient run just before it: the machine's
+            # speed drifts by more than the difference measured.
+            _, per_cell = nb_jupyter_once(sources)
+            time.sleep(0.5)  # the kernel nbclient shut down has exited
             # A new value each time: an earlier value's results would be reused.
             value = 101 + k + (50 if order == "dataflow" else 0)
             elapsed, answer = nb_run(peer, f"nb-{order}",
@@ -190,7 +201,8 @@ def wl_notebook(peers, p, table, details, keep):
                     f"({p['nb_rows']:,} rows; load, clean, 9 plots, a least-squares fit); "
                     f"nbclient runs it whole in ipykernel in {fmt_ms(jupyter_total)} (kernel "
                     f"start included; its cells alone {fmt_ms(jupyter_cells)}). A cell's time "
-                    "in ipykernel is nbclient's timing of it; its time in this kernel is "
+                    "in ipykernel is nbclient's timing of it (for an edit, in an nbclient run "
+                    "just before that edit); its time in this kernel is "
                     "`took_s` (composing its input state, running it, storing its state). In "
                     "notebook order the edited parameter's reader also reads `df`, and a read "
                     "may mutate, so every later reader of `df` runs again", "\n".join(lines)))
