@@ -227,8 +227,8 @@ def wl_floors(peers, p, table, details, keep):
                   {"ours": floors["synced commit"]})
         table.add("fl", f"sum of the three above: the least a trivial cell can take here "
                   f"({when}; a's target: ≤ 3 ms)", {"ours": sum(floors.values())})
-        table.add("fl", f"fork() of a process with a holder's imports ({when}; back to back, "
-                  "a cell waits for one)", {"ours": fork})
+        table.add("fl", f"fork() of a process with a holder's imports ({when}); a cell run "
+                  "back to back waits for one", {"ours": fork})
     size = 2 ** 30 if p["mode"] == "full" else 2 ** 28
     seconds = _durable_write_seconds(folder, size)
     label = "1 GiB" if size == 2 ** 30 else "256 MiB"
