@@ -81,7 +81,7 @@ def _chunks(pickled, chunk, workers=1, hashed=None):
                   for start, entry in zip(range(0, view.nbytes, chunk), entries)]
         layout.append(len(entries))
     todo = [piece for piece, entry in known if entry is None]
-    new = threads.ordered(_key_and_digest, todo, workers if len(todo) > 1 else 1)
+    new = threads.ordered(_key_and_digest, todo, workers)
     pieces, digests = [], []
     for piece, entry in known:
         if entry is None:

@@ -8,6 +8,7 @@ import threading
 import time
 
 import pytest
+from nbclient.exceptions import CellExecutionError
 
 from bench import floors, notebook, peers, profile, report
 from conftest import ROOT
@@ -202,3 +203,13 @@ def test_floors_measure_each_crossing(tmp_path):
     assert list(tmp_path.glob("floor-lmdb-*/data.mdb"))
     assert floors._durable_write_seconds(str(tmp_path), 8 << 20) > 0
     assert not (tmp_path / "floor-write").exists()
+
+
+def test_one_nbclient_run_times_each_cell_and_refuses_a_failing_one():
+    """The nbclient run an nb edit is paired with: a time per cell, the kernel's start
+    included in the total; a failing cell is an error, not a time."""
+    total, times = notebook.nb_jupyter_once(["x = 1", "print(x)"])
+    assert len(times) == 2 and all(t >= 0 for t in times)
+    assert total >= sum(times)
+    with pytest.raises(CellExecutionError, match="ZeroDivisionError"):
+        notebook.nb_jupyter_once(["1 / 0"])

@@ -108,7 +108,8 @@ def nb_jupyter(sources, runs):
 
 def nb_jupyter_once(sources):
     """One nbclient run of the whole notebook: (seconds including the kernel's start,
-    [nbclient's timing of each cell])."""
+    [nbclient's timing of each cell]). A failing cell raises nbclient's
+    CellExecutionError (errors are not allowed)."""
     nb = nbformat.v4.new_notebook()
     nb.cells = [nbformat.v4.new_code_cell(src) for src in sources]
     started = time.perf_counter()
@@ -120,8 +121,6 @@ def nb_jupyter_once(sources):
         times.append((datetime.datetime.fromisoformat(ex["shell.execute_reply"].rstrip("Z"))
                       - datetime.datetime.fromisoformat(
                           ex["iopub.execute_input"].rstrip("Z"))).total_seconds())
-        if any(o.get("output_type") == "error" for o in cell.outputs):
-            raise RuntimeError(f"nbclient: a cell failed: {cell.source[:80]!r}")
     return total, times
 
 
@@ -166,7 +165,7 @@ def wl_notebook(peers, p, table, details, keep):
             # Each edit is compared with an nbclient run just before it: the machine's
             # speed drifts by more than the difference measured.
             _, per_cell = nb_jupyter_once(sources)
-            time.sleep(0.5)  # the kernel nbclient shut down has exited
+            time.sleep(0.5)  # a pause after the kernel's shutdown, as a person's edit has
             # A new value each time: an earlier value's results would be reused.
             value = 101 + k + (50 if order == "dataflow" else 0)
             elapsed, answer = nb_run(peer, f"nb-{order}",

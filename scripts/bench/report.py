@@ -182,8 +182,9 @@ cell run from the state the one before made.
 The notebook workload (nb) runs this server alone (no other peer is
 started when it is the only workload) and compares POST /notebooks/run on
 a 30-cell data notebook with nbclient running the same notebook in
-ipykernel; run alone (`--only nb`) it writes the section "Results:
-notebook".
+ipykernel (each one-cell edit with an nbclient run made just before it:
+the machine's speed drifts by more than the difference measured); run
+alone (`--only nb`) it writes the section "Results: notebook".
 
 The scaling workload (s, `scaling.py`) runs only when named: this server
 alone, on states of 0 B to 4 GB (`--quick`: to 100 MB), each a DataFrame of
