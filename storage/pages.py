@@ -12,7 +12,9 @@ In a notebook run the next cell runs in the process that made the state
 before it, with no fork in between, so every page is exclusive. There a
 chunk's XXH3-128 of its bytes when stored vouches for it instead: a pass
 about twenty times cheaper than SHA-256, and 2^-128 the chance that a
-changed chunk matches by accident.
+changed chunk matches by accident. The same digest names a chunk made again
+with bytes already stored (a value a re-run cell makes anew), wherever its
+memory is now.
 
 Buffers restored from the store are allocated here too, in transparent huge
 pages as numpy allocates its own large arrays: every fork of a holder
@@ -41,11 +43,24 @@ _HUGE_MIN = 4 * 2 ** 20
 # still holds the old bytes.
 _known = {}
 
+# XXH3-128 of a chunk this process (or its parent) stored -> its blob key, wherever
+# the chunk's bytes are now: a value made again with the same bytes (a notebook
+# run's `train = df[mask]` in the cell edited after it) is not hashed again. Bounded,
+# the oldest forgotten first.
+_keys_by_digest = {}
+_DIGESTS_KEPT = 2 ** 16
+
 
 def digest(piece):
     """The XXH3-128 of a chunk's bytes, which vouches for it in the process that stored
     it (see the module doc)."""
     return xxhash.xxh3_128_digest(piece)
+
+
+def key_of(checked):
+    """The blob key of a chunk whose bytes have XXH3-128 `checked`, if this process knows
+    one (the same 2^-128 chance of an accidental match as above)."""
+    return _keys_by_digest.get(checked)
 
 
 def allocate(size):
@@ -101,6 +116,10 @@ def remember(view, keys, chunk, digests=None):
                                            digests or [None] * len(keys)):
         if size >= _PAGE:
             _known[(address + offset, size)] = (key, ref, checked)
+        if checked is not None and checked not in _keys_by_digest:
+            if len(_keys_by_digest) >= _DIGESTS_KEPT:
+                del _keys_by_digest[next(iter(_keys_by_digest))]
+            _keys_by_digest[checked] = key
 
 
 def _owner(view):

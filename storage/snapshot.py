@@ -60,8 +60,10 @@ def _sha(data):
 
 
 def _key_and_digest(piece):
-    """A new chunk's blob key and the digest that vouches for it later (storage/pages.py)."""
-    return _sha(piece), pages.digest(piece)
+    """A new chunk's blob key and the digest that vouches for it later (storage/pages.py);
+    the key is the one known for that digest, if any, else its SHA-256."""
+    checked = pages.digest(piece)
+    return pages.key_of(checked) or _sha(piece), checked
 
 
 def _chunks(pickled, chunk, workers=1, hashed=None):

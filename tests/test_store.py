@@ -304,6 +304,31 @@ def test_a_chunk_stored_in_this_process_is_vouched_for_by_its_digest():
     assert pages.known(view, 2 ** 20) == [None, None]
 
 
+def test_a_chunk_made_again_with_the_same_bytes_takes_the_key_its_digest_is_known_by():
+    """A value made again (`train = df[mask]` in a re-run cell) is a new array with old
+    bytes: each chunk whose XXH3-128 matches a chunk this process stored takes that
+    chunk's key without SHA-256; a chunk with other bytes is hashed."""
+    import hashlib
+
+    import numpy as np
+
+    from storage import pages, serializer, snapshot
+    # 2 MiB (two 1 MiB chunks) of bytes no other test stores: the digests stay known.
+    array = np.random.default_rng(20261204).random(2 ** 18)
+    view = memoryview(array).cast("B")
+    pieces = [view[:2 ** 20], view[2 ** 20:]]
+    # Keys no hash gives: a chunk that takes one was not hashed again.
+    stand_ins = ["a" * 64, "b" * 64]
+    pages.remember(view, stand_ins, 2 ** 20, [pages.digest(p) for p in pieces])
+    again = array.copy()
+    again[-1] = -1.0  # the second chunk's bytes differ
+    pickled = serializer.dumps([again], {}, "", 2 ** 16)
+    found, layout = snapshot._chunks(pickled, 2 ** 20, 2)
+    assert layout == [2]
+    assert [key for _, key in found] == [
+        "a" * 64, hashlib.sha256(memoryview(again).cast("B")[2 ** 20:]).hexdigest()]
+
+
 def test_datetime_columns_are_stored_by_chunk_like_numbers(make_server, tmp_path):
     """A date column's bytes go out of band: a changed date stores about its chunk, not the
     column, and a restored one is the same values, dtype, view and hash."""
