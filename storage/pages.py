@@ -50,6 +50,11 @@ _known = {}
 _keys_by_digest = {}
 _DIGESTS_KEPT = 2 ** 16
 
+# Blob key -> {spot: the save that remembered it} of the buffers held strongly for
+# it (see `remember`); saves are counted by `begin_save`.
+_held = {}
+_saves = [0]
+
 
 def digest(piece):
     """The XXH3-128 of a chunk's bytes, which vouches for it in the process that stored
@@ -101,21 +106,32 @@ def remember(view, keys, chunk, digests=None):
     `ndarray.resize` allows). Other owners are held strongly, until
     `keep_only` drops them: a buffer loaded from the store is not the
     user's object, and pyarrow makes a new wrapper of a buffer each time an
-    array is pickled (a weak reference to it would be dead at once).
+    array is pickled (a weak reference to it would be dead at once). So a
+    value made again with the same bytes (a re-run `pd.read_csv` with
+    string columns) would leave the old copy held for its key, which the
+    state still has: a buffer held strongly for a key is dropped once a
+    later save remembers that key elsewhere (equal buffers of one save stay).
     """
     address = buffer_address(view)
     if address is None or view.nbytes < _PAGE:
         return
     owner = _owner(view)
     numpy = sys.modules.get("numpy")
-    if numpy is not None and isinstance(owner, numpy.ndarray):
-        ref = weakref.ref(owner)
-    else:
-        ref = lambda owner=owner: owner  # noqa: E731 - a strong "reference"
+    strong = numpy is None or not isinstance(owner, numpy.ndarray)
+    ref = (lambda owner=owner: owner) if strong else weakref.ref(owner)
     for (offset, size), key, checked in zip(_spans(view.nbytes, chunk), keys,
                                            digests or [None] * len(keys)):
         if size >= _PAGE:
-            _known[(address + offset, size)] = (key, ref, checked)
+            spot = (address + offset, size)
+            held = _held.get(key)
+            if held:
+                for old in [o for o, save in held.items() if save < _saves[0] or o == spot]:
+                    del held[old]
+                    if old != spot and _known.get(old, (None,))[0] == key:
+                        del _known[old]
+            if strong:
+                _held.setdefault(key, {})[spot] = _saves[0]
+            _known[spot] = (key, ref, checked)
         if checked is not None and checked not in _keys_by_digest:
             if len(_keys_by_digest) >= _DIGESTS_KEPT:
                 del _keys_by_digest[next(iter(_keys_by_digest))]
@@ -176,11 +192,23 @@ def _shared(changed, first, last):
     return changed[last] == before
 
 
+def begin_save():
+    """A new save starts: what it remembers replaces copies held for the same keys."""
+    _saves[0] += 1
+
+
 def keep_only(keys):
     """Forget buffers that are gone or not in the state just made (frees their memory)."""
     for spot in [k for k, (key, owner, _) in _known.items()
                  if key not in keys or owner() is None]:
         del _known[spot]
+    for key in list(_held):
+        held = {spot: save for spot, save in _held[key].items()
+                if _known.get(spot, (None,))[0] == key}
+        if held:
+            _held[key] = held
+        else:
+            del _held[key]
 
 
 def _covers(owner, address, size):

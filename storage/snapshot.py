@@ -156,6 +156,7 @@ def save_groups(store, manifest, namespace, dirty, settings, class_tag="", paren
     pickles exactly as in `parent` (a cell only read it) keeps the parent's
     symbol hashes and reprs, which can cost more than the pickle.
     """
+    pages.begin_save()
     before = {(g["fingerprint"], tuple(g["members"])): g for g in (parent or {}).get("groups", [])}
     limit = settings["store.repr_max_chars"]
     records = store.records()

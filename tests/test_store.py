@@ -329,6 +329,35 @@ def test_a_chunk_made_again_with_the_same_bytes_takes_the_key_its_digest_is_know
         "a" * 64, hashlib.sha256(memoryview(again).cast("B")[2 ** 20:]).hexdigest()]
 
 
+def test_a_string_column_made_again_does_not_keep_its_old_copy(tmp_path):
+    """pyarrow makes a new wrapper of a buffer per pickle, so the page map holds Arrow
+    buffers strongly; a column made again with the same strings (a re-run read_csv)
+    has the same keys, and its old copy must still be let go, not held for them."""
+    import pandas as pd
+    import pyarrow as pa
+
+    from kernel import config
+    from storage import snapshot
+    from storage.store import Store
+    settings = config.load()
+    store = Store(str(tmp_path / "store"), settings)
+    words = [f"word{i % 1000}-{i}" for i in range(1_000_000)]
+    namespace = {"s": pd.Series(words, dtype="str")}
+    one_copy = pa.total_allocated_bytes()
+    parent = None
+    for n in range(4):
+        if n:
+            namespace["s"] = pd.Series(words, dtype="str")  # the same strings again
+        manifest = snapshot.new_manifest(f"s{n}", parent)
+        records = snapshot.save_groups(store, manifest, namespace, ["s"], settings,
+                                       parent=parent)
+        snapshot.commit(store, manifest, records, parent and parent["groups"])
+        parent = manifest
+    assert [g["buffers"] for g in parent["groups"]] == [
+        g["buffers"] for g in store.manifest("s0")["groups"]]
+    assert pa.total_allocated_bytes() < 1.5 * one_copy  # four copies when held
+
+
 def test_datetime_columns_are_stored_by_chunk_like_numbers(make_server, tmp_path):
     """A date column's bytes go out of band: a changed date stores about its chunk, not the
     column, and a restored one is the same values, dtype, view and hash."""
