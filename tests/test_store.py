@@ -383,6 +383,32 @@ def test_a_string_column_made_again_does_not_keep_its_old_copy(tmp_path):
     assert pa.total_allocated_bytes() - before < 1.5 * one_copy  # four copies when held
 
 
+def test_a_string_column_replaced_by_other_strings_is_let_go(tmp_path):
+    """A save prunes the page map when a group it replaced lost a buffer (and skips
+    that when none did): a column replaced by other strings frees the old one."""
+    import pandas as pd
+    import pyarrow as pa
+
+    from kernel import config
+    from storage import snapshot
+    from storage.store import Store
+    settings = config.load()
+    store = Store(str(tmp_path / "store"), settings)
+    before = pa.total_allocated_bytes()
+    namespace = {"s": pd.Series([f"old{i}" for i in range(1_000_000)], dtype="str")}
+    one_copy = pa.total_allocated_bytes() - before
+    parent = None
+    for n in range(4):
+        if n:
+            namespace["s"] = pd.Series([f"new{n}-{i}" for i in range(1_000_000)], dtype="str")
+        manifest = snapshot.new_manifest(f"s{n}", parent)
+        records = snapshot.save_groups(store, manifest, namespace, ["s"], settings,
+                                       parent=parent)
+        snapshot.commit(store, manifest, records, parent and parent["groups"])
+        parent = manifest
+    assert pa.total_allocated_bytes() - before < 1.5 * one_copy  # four columns when held
+
+
 def test_datetime_columns_are_stored_by_chunk_like_numbers(make_server, tmp_path):
     """A date column's bytes go out of band: a changed date stores about its chunk, not the
     column, and a restored one is the same values, dtype, view and hash."""
