@@ -123,12 +123,7 @@ def remember(view, keys, chunk, digests=None):
                                            digests or [None] * len(keys)):
         if size >= _PAGE:
             spot = (address + offset, size)
-            held = _held.get(key)
-            if held:
-                for old in [o for o, save in held.items() if save < _saves[0] or o == spot]:
-                    del held[old]
-                    if old != spot and _known.get(old, (None,))[0] == key:
-                        del _known[old]
+            _let_go_of_older_copies(key, spot)
             if strong:
                 _held.setdefault(key, {})[spot] = _saves[0]
             _known[spot] = (key, ref, checked)
@@ -136,6 +131,18 @@ def remember(view, keys, chunk, digests=None):
             if len(_keys_by_digest) >= _DIGESTS_KEPT:
                 del _keys_by_digest[next(iter(_keys_by_digest))]
             _keys_by_digest[checked] = key
+
+
+def _let_go_of_older_copies(key, spot):
+    """Forget the buffers earlier saves held strongly for `key` elsewhere than `spot`
+    (and `spot` itself as held: `remember` records it anew)."""
+    held = _held.get(key)
+    if not held:
+        return
+    for old in [o for o, save in held.items() if save < _saves[0] or o == spot]:
+        del held[old]
+        if old != spot and _known.get(old, (None,))[0] == key:
+            del _known[old]
 
 
 def _owner(view):
