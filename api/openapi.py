@@ -10,8 +10,7 @@ tells nothing secret, but "only /health is open" is a rule easy to check.
 import copy
 import dataclasses
 
-from kernel.notebook import statuses
-from kernel.protocol import ExecuteAnswer
+from kernel.protocol import CELL_FIELDS, ORDERS, CellStatus, ExecuteAnswer, NotebookRun
 from kernel.server.registry import MAX_NAME_BYTES
 
 MAX_NAME = 200
@@ -90,16 +89,15 @@ _GROUPS = {
 }
 
 
+# The schema of each field of a notebook run's cell (kernel.protocol.CELL_FIELDS).
 _NOTEBOOK_CELL = {
-    "type": "object", "required": ["id", "key", "status", "took_s", "outputs", "error",
-                                   "execution_count", "state_name"],
+    "type": "object", "required": list(CELL_FIELDS),
     "properties": {
         "id": {"type": "string"},
         "key": {"type": "string", "nullable": True,
                 "description": "SHA-256 the cell's result is stored under; null when the "
                                "cell cannot run"},
-        "status": {"type": "string", "enum": [*statuses.RUN, *(
-                       s for s in statuses.FRESH if s not in statuses.RUN)],
+        "status": {"type": "string", "enum": [s.value for s in CellStatus],
                    "description": "pending and running only while the run goes on; "
                                   "skipped and empty only in fresh runs"},
         "took_s": {"type": "number", "nullable": True},
@@ -111,6 +109,7 @@ _NOTEBOOK_CELL = {
     },
 }
 
+assert list(_NOTEBOOK_CELL["properties"]) == list(CELL_FIELDS)
 _NOTEBOOK_RECORD = {
     "type": "object",
     "required": ["notebook", "order", "diagnostics", "cells", "state_name"],
@@ -129,14 +128,24 @@ _NOTEBOOK_RECORD = {
         "cells": {"type": "array", "items": _NOTEBOOK_CELL},
         "state_name": {"type": "string", "nullable": True,
                        "description": "A state with every name as the run left it"},
-        "order_kind": {"type": "string", "enum": ["notebook", "dataflow"]},
-        "exec_id": {"type": "string"},
+        "order_kind": {"type": "string", "enum": list(ORDERS)},
+        "exec_id": {"type": "string", "nullable": True},
         "running": {"type": "boolean"},
         "started": {"type": "string"},
         "finished": {"type": "string", "nullable": True},
         "receipt": {"type": "object", "description": "A fresh run's receipt (its JSON "
                                                      "Schema is in the README)"},
     },
+}
+assert set(_NOTEBOOK_RECORD["properties"]) == {f.name for f in dataclasses.fields(NotebookRun)}
+_NOTEBOOK_STREAM = {"type": "boolean", "nullable": True,
+                    "description": "true: answer application/x-ndjson, one line per change "
+                                   "of a cell's status as the run goes ({\"type\": \"cell\", "
+                                   "\"cell\"}), then {\"type\": \"answer\", \"answer\"}"}
+_NOTEBOOK_LINE = {
+    "type": "object", "required": ["type"],
+    "properties": {"type": {"type": "string", "enum": ["cell", "answer"]},
+                   "cell": _NOTEBOOK_CELL, "answer": _NOTEBOOK_RECORD},
 }
 
 _NOTEBOOK_NAME = [{"name": "name", "in": "path", "required": True, "schema": _STATE_NAME,
@@ -149,12 +158,12 @@ def _body(properties, required):
         "type": "object", "properties": properties, "required": required}}}}
 
 
-def _answer(schema, description, errors=(400, 401), streamed=False):
+def _answer(schema, description, errors=(400, 401), line=None):
     """The responses of an operation: 200 with `schema`, the listed errors as JSON;
-    `streamed`: or, asked with "stream": true, NDJSON lines (`_STREAM_LINE` each)."""
+    with a `line` schema: or, asked with "stream": true, NDJSON lines of it."""
     content = {"application/json": {"schema": schema}}
-    if streamed:
-        content["application/x-ndjson"] = {"schema": _STREAM_LINE}
+    if line is not None:
+        content["application/x-ndjson"] = {"schema": line}
     responses = {"200": {"description": description, "content": content}}
     for status in errors:
         responses[str(status)] = {"$ref": f"#/components/responses/E{status}"}
@@ -182,7 +191,7 @@ def document(version="0.3.0"):
                                  ["exec_id", "state_name"]),
             "responses": _answer(_EXECUTE_ANSWER, "The cell's outputs and the new state's "
                                  "name; a missing input state is error StateNotFound",
-                                 body_errors + (409, 500, 503, 507), streamed=True)}},
+                                 body_errors + (409, 500, 503, 507), _STREAM_LINE)}},
         "/multistate_execute": {"post": {
             "summary": "Run a cell with states under aliases; nothing is stored",
             "requestBody": _body({"code": {"type": "string", "nullable": True},
@@ -194,7 +203,7 @@ def document(version="0.3.0"):
                                   "stream": _STREAM},
                                  ["exec_id", "state_mapping"]),
             "responses": _answer(_EXECUTE_ANSWER, "The cell's outputs; state_name is null",
-                                 body_errors + (409, 500, 503), streamed=True)}},
+                                 body_errors + (409, 500, 503), _STREAM_LINE)}},
         "/states": {"get": {
             "summary": "Every state name, oldest first",
             "responses": _answer({"type": "object", "required": ["states"],
@@ -280,6 +289,7 @@ def document(version="0.3.0"):
                               description="Cell ids to run, with everything downstream, "
                                           "even if nothing changed"),
                 "exec_id": dict(_EXEC_ID, nullable=True),
+                "stream": _NOTEBOOK_STREAM,
                 "fresh": {"type": "boolean", "nullable": True,
                           "description": "Run every cell from scratch in a new interpreter, "
                                          "within limits, keeping no state; the answer adds "
@@ -303,7 +313,7 @@ def document(version="0.3.0"):
                 ["notebook", "cells"]),
             "responses": _answer(_NOTEBOOK_RECORD, "The run's record (a failed fresh run "
                                                    "answers 200 too: see its receipt)",
-                                 body_errors + (409, 507))}},
+                                 body_errors + (409, 507), _NOTEBOOK_LINE)}},
         "/notebooks": {"get": {
             "summary": "Every notebook with a record",
             "responses": _answer({"type": "object", "required": ["notebooks"],

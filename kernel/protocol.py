@@ -25,6 +25,8 @@ Any worker may send `Exited` (a child of its own ended) and `Log`.
 """
 
 import dataclasses
+import datetime
+import enum
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -185,3 +187,169 @@ def error(ename, evalue, traceback=None):
     """An nbformat error dict {ename, evalue, traceback}."""
     return {"ename": ename, "evalue": evalue,
             "traceback": [f"{ename}: {evalue}"] if traceback is None else traceback}
+
+
+# Notebook runs: the request, a cell, the run's record ---------------------------------
+#
+# One model for incremental runs (kernel/notebook/incremental.py), fresh runs
+# (kernel/notebook/fresh.py), the `run` command, POST /notebooks/run and the stored
+# records. `to_json()` is the one JSON form of each.
+
+class CellStatus(enum.StrEnum):
+    """What became of a cell in a notebook run (a str: it is its JSON form)."""
+    PENDING = "pending"    # only while the run goes on
+    RUNNING = "running"    # only while the run goes on
+    RAN = "ran"
+    REUSED = "reused"      # its stored result stands; incremental runs only
+    FAILED = "failed"
+    BLOCKED = "blocked"    # a static error, or a cell it needs failed
+    NOT_RUN = "not_run"    # the run stopped before it
+    SKIPPED = "skipped"    # tagged no-execute or skip-execution; fresh runs only
+    EMPTY = "empty"        # nothing but blank lines and comments; fresh runs only
+
+
+# The statuses a fresh run's receipt may give a cell.
+FRESH_STATUSES = (CellStatus.RAN, CellStatus.FAILED, CellStatus.SKIPPED, CellStatus.EMPTY,
+                  CellStatus.NOT_RUN)
+# A cell with one of these holds a stored result (its outputs live there).
+WITH_RESULT = (CellStatus.RAN, CellStatus.REUSED)
+ORDERS = ("notebook", "dataflow")
+# Tags that make a fresh run skip a cell, as nbclient's users tag them.
+SKIP_TAGS = ("no-execute", "skip-execution")
+# The metadata of a FreshOptions field that only the command takes.
+COMMAND_ONLY = {"command_only": True}
+
+
+def now():
+    """The current UTC time, ISO 8601 (a record's `started` and `finished`)."""
+    return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="milliseconds")
+
+
+@dataclass
+class NotebookCell:
+    """One code cell of a notebook run: what was asked, then what became of it.
+
+    `source`, `index` (its position among all the notebook's cells) and
+    `tags` are the request's; `category` is a fresh run's failure category.
+    None of these four is in the JSON form.
+    """
+    id: str
+    key: str | None = None
+    status: CellStatus = CellStatus.PENDING
+    took_s: float | None = None
+    outputs: list = field(default_factory=list)
+    error: dict | None = None
+    execution_count: int | None = None
+    state_name: str | None = None
+    source: str = field(default="", repr=False)
+    index: int = 0
+    tags: tuple = ()
+    category: str | None = None
+
+    @property
+    def skip(self):
+        """True when the cell is tagged to be skipped (fresh runs honour it)."""
+        return bool(set(self.tags) & set(SKIP_TAGS))
+
+    def to_json(self):
+        """The cell as answers and records show it."""
+        return {f: getattr(self, f) for f in CELL_FIELDS}
+
+    @classmethod
+    def from_json(cls, data):
+        """A cell from its JSON form (a stored record's cells may lack `outputs`)."""
+        return cls(**{f: data[f] for f in CELL_FIELDS if f in data})
+
+
+# The fields of a cell's JSON form.
+CELL_FIELDS = ("id", "key", "status", "took_s", "outputs", "error", "execution_count",
+               "state_name")
+
+
+@dataclass
+class FreshOptions:
+    """How a fresh run is run: the options only a fresh run takes.
+
+    Those marked `COMMAND_ONLY` name files on the caller's side and are the
+    `run --fresh` command's alone; the others POST /notebooks/run takes too.
+    """
+    timeout: float | None = None  # the whole run's deadline, s (fresh.timeout_s)
+    cell_timeout: float | None = None  # one cell's, s; 0 = none (fresh.cell_timeout_s)
+    env: list = field(default_factory=list)  # names passed from the caller's environment
+    cwd: str | None = None  # the cells' working directory
+    expected_environment: str | None = None  # the environment SHA-256 the kernel must have
+    receipt: str | None = field(default=None, metadata=COMMAND_ONLY)  # where it goes
+    lock: str | None = field(default=None, metadata=COMMAND_ONLY)  # a lock file to record
+    overwrite: bool = field(default=False, metadata=COMMAND_ONLY)  # replace the output
+    keep_states: str | None = field(default=None, metadata=COMMAND_ONLY)  # a store folder
+
+    @classmethod
+    def names(cls, command=True):
+        """The options' names (without `command`: only those the API takes too)."""
+        return [f.name for f in dataclasses.fields(cls) if command or not f.metadata]
+
+
+@dataclass
+class NotebookRequest:
+    """A run of a notebook's code cells: POST /notebooks/run's body, or the command's.
+
+    `notebook` names it (the command: the file's absolute path); `cells`
+    are NotebookCell with id, source, index and tags. `order` and `rerun`
+    are for incremental runs; `fresh` (FreshOptions) makes it a fresh run.
+    """
+    notebook: str
+    cells: list
+    order: str = "notebook"
+    rerun: list = field(default_factory=list)
+    exec_id: str | None = None
+    fresh: FreshOptions | None = None
+
+    # Options an incremental run takes and a fresh run does not.
+    INCREMENTAL_ONLY = ("order", "rerun", "exec_id")
+
+
+@dataclass
+class NotebookRun:
+    """A notebook run's record: the answer of POST /notebooks/run and of GET
+    /notebooks/NAME, and what the store keeps of the last run."""
+    notebook: str
+    cells: list  # NotebookCell
+    order_kind: str = "notebook"
+    exec_id: str | None = None
+    running: bool = True
+    started: str = field(default_factory=now)
+    finished: str | None = None
+    order: list = field(default_factory=list)  # cell ids, in the order the run took them
+    diagnostics: list = field(default_factory=list)
+    state_name: str | None = None
+    receipt: dict | None = None  # a fresh run's
+
+    def to_json(self):
+        """The record as answers show it (a fresh run's adds its receipt)."""
+        data = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        data["cells"] = [c.to_json() for c in self.cells]
+        if self.receipt is None:
+            del data["receipt"]
+        return data
+
+    def stored_form(self):
+        """The record as the store keeps it: a cell with a stored result leaves its
+        outputs to that result."""
+        data = self.to_json()
+        for cell in data["cells"]:
+            if cell["status"] in WITH_RESULT:
+                del cell["outputs"]
+        return data
+
+    @classmethod
+    def from_json(cls, data):
+        """A record from its JSON form (or its stored form)."""
+        fields = {f.name for f in dataclasses.fields(cls)}
+        return cls(**dict({k: v for k, v in data.items() if k in fields},
+                          cells=[NotebookCell.from_json(c) for c in data["cells"]]))
+
+    def copy(self):
+        """A copy deep enough for its reader to keep while the run goes on (outputs are
+        never changed in place)."""
+        return dataclasses.replace(self, cells=[dataclasses.replace(c) for c in self.cells],
+                                   order=list(self.order), diagnostics=list(self.diagnostics))

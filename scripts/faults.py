@@ -24,7 +24,6 @@ every round survived. The suite runs a 5-round version (tests/test_faults.py).
 """
 
 import argparse
-import http.client
 import os
 import random
 import shutil
@@ -35,7 +34,7 @@ import tempfile
 import threading
 import time
 
-from harness import ROOT, Server
+from harness import ROOT, Server, ServerError
 from kernel.proctable import alive
 
 SIZES = (10, 1000, 200_000)  # floats per state: a few bytes to 1.6 MB (a slower write)
@@ -66,7 +65,7 @@ def stream(server, prefix, rng, answered, asked, stop):
             answer = server.call("POST", "/execute", {
                 "code": cell(i, size), "exec_id": name, "state_name": state,
                 "new_state_name": name})
-        except (OSError, ValueError, http.client.HTTPException):
+        except ServerError:
             return  # the server died mid-answer
         if answer.get("error") is not None or answer.get("state_name") != name:
             answered[name] = f"error answer: {answer.get('error')}"
@@ -95,7 +94,7 @@ def check_round(server, rnd, answered_all, asked_all, this_round, rng):
             answer = server.call("POST", "/multistate_execute", {
                 "code": CHECK, "exec_id": f"check-{rnd}-{name}", "state_mapping": {},
                 "default_state": name})
-        except (OSError, ValueError, http.client.HTTPException) as exc:
+        except ServerError as exc:
             problems.append(f"{name}: {exc}")
             continue
         if answer["error"] is not None:

@@ -68,7 +68,7 @@ import lmdb  # noqa: E402
 from kernel import config as config_mod  # noqa: E402
 from storage.notebooks import NotebookStore  # noqa: E402
 from storage.remote import NameConflict, RemoteStore  # noqa: E402
-from storage.store import Store, StoreError, try_server_lock  # noqa: E402
+from storage.store import Store, StoreError, StoreHeld, claim_store  # noqa: E402
 
 INITIAL = "initial"
 DATA_FILE = "data.mdb"
@@ -308,10 +308,10 @@ def run(args, out=print):
     data_dir = os.path.abspath(args.data_dir or settings["server.data_dir"])
     if not os.path.isfile(os.path.join(data_dir, DATA_FILE)):
         raise Refused(f"no store at {data_dir} (no {DATA_FILE} there); pass --data-dir")
-    lock = try_server_lock(data_dir)
-    if lock is None:
-        raise Refused(f"a server is running on the store at {data_dir} (it holds "
-                      f"{os.path.join(data_dir, 'server.lock')}); stop it first, then rerun")
+    try:
+        lock = claim_store(data_dir, f"scripts/gc_states.py (pid {os.getpid()})")
+    except StoreHeld as exc:
+        raise Refused(f"{exc}; stop it first, then rerun") from None
     try:
         # A dry run opens the store read-only: it cannot change a byte.
         store = Store(data_dir, None if args.dry_run else settings)

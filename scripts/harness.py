@@ -2,12 +2,10 @@
 
 scripts/bench.py, load.py and faults.py import it as `harness` (a script's
 own folder is first on its sys.path); tests/conftest.py puts this folder on
-sys.path and builds its fixtures on `Server`. Standard library only (and
-kernel/proctable.py, which is too), so a script needs nothing the server does not.
+sys.path and builds its fixtures on `Server`. Requests go through the
+server's own client (api/client.py).
 """
 
-import http.client
-import json
 import os
 import platform
 import signal
@@ -15,12 +13,12 @@ import socket
 import subprocess
 import sys
 import time
-import urllib.request
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
+from api.client import Client, ServerError  # noqa: E402
 from kernel.proctable import descendants  # noqa: E402
 TOKEN = "test-token"
 
@@ -48,6 +46,8 @@ class ServerProcess:
         self.log_path = log_path
         self.poll_s = poll_s
         self.log = open(log_path, "ab")
+        # The reference server reads the token only from the query.
+        self.client = Client(self.url, token, token_in_query=True)
         self.started = time.perf_counter()
         self.proc = subprocess.Popen(argv, cwd=cwd, stdout=self.log, stderr=self.log,
                                      stdin=subprocess.DEVNULL)
@@ -66,15 +66,14 @@ class ServerProcess:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"server exited with {self.proc.returncode}: "
                                    f"{self.log_tail()}")
-            conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=1)
             try:
-                conn.request("GET", "/health")
-                conn.getresponse().read()
+                self.client.call("GET", "/health", timeout=1)
                 return time.perf_counter() - self.started
-            except (OSError, http.client.HTTPException):
+            except ServerError as exc:
+                if exc.status is not None:
+                    return time.perf_counter() - self.started  # an answer all the same
+                self.client.close()
                 time.sleep(self.poll_s)
-            finally:
-                conn.close()
         raise RuntimeError(f"server did not come up in {timeout} s: {self.log_tail()}")
 
     def log_tail(self, chars=3000):
@@ -84,14 +83,9 @@ class ServerProcess:
             return f.read()[-chars:]
 
     def call(self, method, path, body=None, timeout=60):
-        """One request with the token; the decoded JSON answer (raises on HTTP errors)."""
-        data = None if body is None else json.dumps(body).encode()
-        sep = "&" if "?" in path else "?"
-        req = urllib.request.Request(f"{self.url}{path}{sep}token={self.token}", data=data,
-                                     method=method,
-                                     headers={"Content-Type": "application/json"})
-        with urllib.request.urlopen(req, timeout=timeout) as r:
-            return json.loads(r.read())
+        """One request with the token; the decoded JSON answer (api.client.ServerError
+        for an error answer or none)."""
+        return self.client.call(method, path, body, timeout)
 
     def workers(self):
         """Pids of every process below the server."""

@@ -25,7 +25,6 @@ Exit status 0 when every check passed.
 """
 
 import argparse
-import http.client
 import json
 import math
 import os
@@ -37,7 +36,7 @@ import tempfile
 import threading
 import time
 
-from harness import ROOT, Server, machine, revision
+from harness import ROOT, Server, ServerError, machine, revision
 
 sys.path.insert(0, ROOT)
 from kernel import config  # noqa: E402
@@ -178,7 +177,7 @@ def verify(server, clients):
                 answer = server.call("POST", "/multistate_execute", {
                     "code": "val", "exec_id": f"verify-{name}", "state_mapping": {},
                     "default_state": name})
-            except (OSError, ValueError, http.client.HTTPException) as exc:
+            except ServerError as exc:
                 problems.append(f"{name}: no answer: {type(exc).__name__}: {exc}")
                 continue
             got = answer["output"][-1]["data"]["text/plain"] if answer["output"] else None

@@ -11,7 +11,7 @@ instead of a plain `Store`: the same LMDB environment and interface, plus
   locally, its blobs go to the remote (`If-None-Match: *`), then its name
   record (compare-and-swap on the ETag). An unreachable remote or a lost
   race raises before anything is written here. With "async" the state is
-  written locally only, and the server's publisher (storage/publisher.py)
+  written locally only, and the server's RemoteNames (storage/remote_names.py)
   uploads it later;
 - a bounded cache: past `cache_gb`, the blobs the remote has are evicted,
   oldest arrival first. Blobs the remote does not have yet never are.

@@ -629,18 +629,46 @@ def referenced_blobs(manifest):
 SERVER_LOCK = "server.lock"
 
 
-def try_server_lock(data_dir):
-    """Take the exclusive server lock of `data_dir` without waiting.
+class StoreHeld(StoreError):
+    """Another process (a server, a notebook run, gc_states.py) holds the store."""
 
-    The same flock a running server holds on `<data_dir>/server.lock` (see
-    main.py lock_store). Returns the open lock file, which keeps the lock
-    until it is closed, or None when another process (a server) holds it.
-    Operator tools that write the store take it so no server starts meanwhile.
+
+def claim_store(data_dir, holder):
+    """Take the exclusive lock of the store at `data_dir` without waiting, saying in
+    it who holds it (`holder`, shown to whoever is refused next).
+
+    One process writes a store at a time: a server, `main.py run`, or an
+    operator tool. Returns the open lock file, which keeps the lock until it
+    is closed; StoreHeld naming the holder when another process has it;
+    StoreError when the folder cannot be used.
     """
-    lock = open(os.path.join(data_dir, SERVER_LOCK), "a+")
+    try:
+        os.makedirs(data_dir, exist_ok=True)
+        lock = open(os.path.join(data_dir, SERVER_LOCK), "a+")
+    except OSError as exc:
+        raise StoreError(f"cannot use the store at {data_dir}: {exc}") from None
     try:
         fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
         lock.close()
-        return None
+        raise StoreHeld(f"{store_holder(data_dir) or 'another process'} is using the store "
+                        f"at {data_dir}") from None
+    note_holder(lock, holder)
     return lock
+
+
+def note_holder(lock, holder):
+    """Say in the held lock file who holds it."""
+    lock.seek(0)
+    lock.truncate()
+    lock.write(holder)
+    lock.flush()
+
+
+def store_holder(data_dir):
+    """Who holds the store's lock, as its holder wrote it ("" if it did not)."""
+    try:
+        with open(os.path.join(data_dir, SERVER_LOCK)) as f:
+            return f.read().strip()
+    except OSError:
+        return ""

@@ -1,4 +1,4 @@
-"""Running cells (kernel/worker/runner.py): results, errors, interrupts, IPython syntax.
+"""Running cells (kernel/worker/execution.py): results, errors, interrupts, IPython syntax.
 
 Cells go through the real server and its workers (tests/conftest.py), each
 from the state the previous successful cell made, as a notebook client
@@ -43,7 +43,7 @@ def test_traceback_shows_cell_lines_and_hides_kernel_frames(server):
 
 
 def test_a_cell_run_again_names_its_own_execution_in_tracebacks(server):
-    """The same source run again (compiled once per process, kernel/worker/runner.py)
+    """The same source run again (compiled once per process, kernel/worker/execution.py)
     still shows its own In[n], lines and nested functions in a traceback."""
     code = "def inverse(a):\n    return 1 / a\nn -= 1\ninverse(n)"
     r = run(server, "n = 2", code, code)

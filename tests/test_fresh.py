@@ -319,7 +319,7 @@ def test_bad_command_lines(tmp_path):
     assert "would overwrite" in command(str(nb), "--fresh", "--receipt", str(nb))
     assert nbformat.read(str(nb), as_version=4).cells[0].source == OK
     (tmp_path / "bad.ipynb").write_text("{not json")
-    assert "not a valid Jupyter notebook" in command(str(tmp_path / "bad.ipynb"), "--fresh")
+    assert "is not a Jupyter notebook" in command(str(tmp_path / "bad.ipynb"), "--fresh")
     assert "cannot read" in command(str(tmp_path / "missing.ipynb"), "--fresh")
 
 

@@ -13,20 +13,24 @@ import nbformat
 import pytest
 
 from kernel import config
-from kernel.notebook import environment, fresh_file, receipt
+from kernel.notebook import command, environment, fresh_file, receipt
+from kernel.protocol import FreshOptions
 from storage.store import Store
 
 OK = "assert 2 + 2 == 4"
 
 
 def run(tmp_path, sources, overrides=None, **options):
-    """Run a notebook of `sources` with run_file; (exit status, receipt read back)."""
+    """Run a notebook of `sources` with run_file and FreshOptions(**options); (exit
+    status, receipt read back)."""
     nb = tmp_path / "nb.ipynb"
     nbformat.write(nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(s)
                                                    for s in sources]), str(nb))
     settings = config.load(None, overrides or {})
-    status, built = fresh_file.run_file(str(nb), str(tmp_path / "out.ipynb"),
-                                        str(tmp_path / "receipt.json"), settings, **options)
+    done, built = fresh_file.run_file(
+        str(nb), str(tmp_path / "out.ipynb"),
+        FreshOptions(receipt=str(tmp_path / "receipt.json"), **options), settings)
+    status = command.fresh_exit_status(done)
     written = json.loads((tmp_path / "receipt.json").read_text())
     assert written == built
     receipt.check(written)
@@ -67,8 +71,8 @@ def test_dying_worker(tmp_path):
 
 @pytest.mark.parametrize("options, message", [
     ({"cwd": "/nonexistent-folder"}, "not a folder"),
-    ({"variables": ["SNAPK_UNSET_VARIABLE"]}, "not set"),
-    ({"variables": ["aws_Secret_access"]}, "SECRET"),
+    ({"env": ["SNAPK_UNSET_VARIABLE"]}, "not set"),
+    ({"env": ["aws_Secret_access"]}, "SECRET"),
     ({"timeout": 0}, "more than 0"),
     ({"cell_timeout": -1}, "0 (none) or more"),
     ({"expected_environment": "abc"}, "SHA-256"),

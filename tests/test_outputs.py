@@ -363,7 +363,7 @@ def test_prints_from_threads_of_the_cell_are_all_captured_once(server, pad):
 _STREAMING = r"""
 import json, os, signal, sys
 from kernel.config import load
-from kernel.worker import runner
+from kernel.worker import execution
 
 items = []
 
@@ -375,7 +375,7 @@ def sink(item):
 
 
 namespace = {"__name__": "__main__", "__builtins__": __builtins__, "items": items}
-outputs, error = runner.run_cell(runner.compile_cell(sys.stdin.read(), 1), namespace, 1,
+outputs, error = execution.run_cell(execution.compile_cell(sys.stdin.read(), 1), namespace, 1,
                                  load(), sink=sink)
 json.dump({"items": items, "outputs": outputs, "error": error,
            "seen": namespace.get("seen")}, sys.stdout)
@@ -383,7 +383,7 @@ json.dump({"items": items, "outputs": outputs, "error": error,
 
 
 def stream_cell(source):
-    """Run one cell through runner.run_cell with a sink, in a fresh process."""
+    """Run one cell through execution.run_cell with a sink, in a fresh process."""
     done = subprocess.run([sys.executable, "-c", _STREAMING], input=source, cwd=ROOT,
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr

@@ -5,7 +5,7 @@ data directory (`snapshot-kernel/<kernelspec name>/`, mode 0700): the
 LMDB store, the sessions, and `server.json` with the URL and token of the
 server running on that store. A kernel that finds that server answering
 attaches to it; otherwise it starts one on a free loopback port with a
-random token, under the watch of `supervisor.py`, which stops it once no
+random token, under the watch of `server_keeper.py`, which stops it once no
 kernel has used it for `jupyter.server_idle_s`. `start.lock` makes finding
 or starting the server one step for concurrent kernels (a store takes one
 server). With SNAPSHOT_KERNEL_URL and SNAPSHOT_KERNEL_TOKEN set, the
@@ -28,9 +28,9 @@ import time
 from jupyter_core.paths import jupyter_data_dir
 
 from kernel.config import ROOT
-from kernel.jupyter.client import Client, ServerError
+from api.client import Client, ServerError
 
-SUPERVISOR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "supervisor.py")
+KEEPER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "server_keeper.py")
 # Variables the Jupyter server gives one kernel: not for the cells of every kernel
 # that will share the server this kernel starts.
 _PER_KERNEL_ENV = ("JPY_SESSION_NAME", "JPY_PARENT_PID", "JPY_INTERRUPT_EVENT")
@@ -78,7 +78,7 @@ class Managed:
         self.sessions_folder = os.path.join(self.folder, "sessions")
         self.settings = settings
         self.config_file = config_file
-        self.supervisor = None
+        self.keeper = None
         self.where = self.folder
         self._kernels_lock = None
 
@@ -93,7 +93,7 @@ class Managed:
         """A client of the running server, started if it is not running."""
         with self._start_lock():
             if self._kernels_lock is None:
-                # Held while this kernel lives: the supervisor stops the server only
+                # Held while this kernel lives: the keeper stops the server only
                 # once no kernel holds it.
                 self._kernels_lock = open(os.path.join(self.folder, "kernels.lock"), "a")
                 fcntl.flock(self._kernels_lock, fcntl.LOCK_SH)
@@ -123,18 +123,18 @@ class Managed:
             # The server's working directory is the kernel's: cells find the files
             # beside the notebook that started it.
             idle_s = str(self.settings["jupyter.server_idle_s"])
-            self.supervisor = subprocess.Popen(
-                [sys.executable, SUPERVISOR, self.folder, idle_s, "--", *command], env=env,
+            self.keeper = subprocess.Popen(
+                [sys.executable, KEEPER, self.folder, idle_s, "--", *command], env=env,
                 stdin=subprocess.DEVNULL, stdout=log, stderr=log, start_new_session=True)
         # Reaped as soon as it ends, so it leaves no zombie while this kernel lives;
         # its returncode then tells the wait below that the server did not start.
-        threading.Thread(target=self.supervisor.wait, name="supervisor-reaper",
+        threading.Thread(target=self.keeper.wait, name="keeper-reaper",
                          daemon=True).start()
         client = Client(f"http://127.0.0.1:{port}", token,
                         self.settings["jupyter.request_timeout_s"])
         deadline = time.monotonic() + self.settings["jupyter.server_start_timeout_s"]
         while not client.healthy():
-            if self.supervisor.returncode is not None:
+            if self.keeper.returncode is not None:
                 raise ServerError(f"the snapshot server did not start:\n{_tail(log_path)}",
                                   "ServerStartFailed")
             if time.monotonic() > deadline:
@@ -144,7 +144,7 @@ class Managed:
             time.sleep(0.05)
         path = os.path.join(self.folder, "server.json")
         with open(os.open(path + ".tmp", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w") as f:
-            json.dump({"url": client.url, "token": token, "pid": self.supervisor.pid}, f)
+            json.dump({"url": client.url, "token": token, "pid": self.keeper.pid}, f)
         os.replace(path + ".tmp", path)
         return client
 

@@ -11,7 +11,7 @@ cell printed one line, not a fragment per write.
 import threading
 
 
-class Publisher:
+class OutputRelay:
     """Turns the NDJSON events of one cell into iopub messages."""
 
     def __init__(self, send, execution_count, flush_s):

@@ -21,7 +21,7 @@ from traitlets import Unicode
 from kernel import config as config_mod
 from kernel.jupyter import introspect, iopub, magics
 from kernel.jupyter.backend import backend
-from kernel.jupyter.client import ServerError
+from api.client import ServerError
 from kernel.jupyter.sessions import Sessions
 
 
@@ -162,7 +162,7 @@ class SnapshotKernel(Kernel):
         self.running = exec_id
         try:
             answer = self._server_call(lambda c: c.evaluate(
-                code, head, exec_id, (self.settings["jupyter.request_timeout_s"], None)))
+                code, head, exec_id, timeout=0))
         finally:
             self.running = None
         if answer["error"]:
@@ -185,20 +185,21 @@ class SnapshotKernel(Kernel):
             self.session.send(self.iopub_socket, msg_type, content, parent,
                               ident=self._topic(msg_type))
 
-        publisher = iopub.Publisher(send, n, self.settings["jupyter.stream_flush_s"])
+        relay = iopub.OutputRelay(send, n, self.settings["jupyter.stream_flush_s"])
         answer = None
         try:
-            events = self._server_call(lambda c: c.execute(code, exec_id, head, new_name))
+            events = self._server_call(
+                lambda c: c.execute_streamed(code, exec_id, head, new_name))
             for event in events:
                 if event["type"] == "output":
-                    publisher.output(event["output"])
+                    relay.output(event["output"])
                 elif event["type"] == "clear_output":
-                    publisher.clear_output(event["wait"])
+                    relay.clear_output(event["wait"])
                 elif event["type"] == "answer":
                     answer = event["answer"]
         finally:
             self.running = None
-            publisher.flush()
+            relay.flush()
         if answer is None:
             raise ServerError("the server's answer ended before the cell's", "ServerUnreachable")
         if answer.get("state_name"):
@@ -212,7 +213,7 @@ class SnapshotKernel(Kernel):
                               f"state {head!r}, is no longer on the server: %checkout another "
                               f"cell or state, or %session NAME for a new session", False)
         return self._fail(error["ename"], error["evalue"], False, error["traceback"],
-                          publisher.error_shown)
+                          relay.error_shown)
 
     async def interrupt_request(self, stream, ident, parent):
         """Stop the running cell through /interrupt (the kernel itself gets no signal)."""

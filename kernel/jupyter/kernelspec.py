@@ -5,7 +5,6 @@ command puts the checkout first on sys.path itself (not PYTHONPATH in the
 spec's env, which would replace the user's own PYTHONPATH in every cell).
 """
 
-import argparse
 import json
 import os
 import re
@@ -36,59 +35,43 @@ def spec(name, config_file=None):
     }
 
 
-def parse_args(argv):
-    """The command line of install-kernelspec."""
-    p = argparse.ArgumentParser(prog="main.py install-kernelspec",
-                                description="Install the Jupyter kernelspec of the snapshot "
-                                            "kernel (display name \"Python (snapshot)\")")
-    where = p.add_mutually_exclusive_group()
-    where.add_argument("--user", action="store_true",
-                       help="install for this user rather than system-wide")
-    p.add_argument("--name", default=DEFAULT_NAME,
-                   help="kernelspec name; each name has its own store (default %(default)s)")
-    where.add_argument("--prefix",
-                       help="install under this prefix (e.g. a virtualenv's sys.prefix)")
-    p.add_argument("--config", help="a TOML file overriding config.toml for this kernelspec's "
-                                    "kernel and server")
-    return p.parse_args(argv)
-
-
-def main(argv):
-    """Install the kernelspec; exit status 2 with a message on bad input."""
-    args = parse_args(argv)
-    if not _NAME.match(args.name):
-        print(f"error: --name {args.name!r}: a kernelspec name has only ASCII letters, "
+def install(name, user=False, prefix=None, config=None):
+    """Install kernelspec `name` (for this `user`, under `prefix`, or system-wide) with
+    the configuration file `config`; the exit status (2 with a message on bad input)."""
+    if not _NAME.match(name):
+        print(f"error: --name {name!r}: a kernelspec name has only ASCII letters, "
               f"digits, '.', '_' and '-'", file=sys.stderr)
-        sys.exit(2)
+        return 2
     # Jupyter lowercases the names it installs; the private store is named the same.
-    args.name = args.name.lower()
+    name = name.lower()
     try:
         from jupyter_client.kernelspec import KernelSpecManager
         import ipykernel  # noqa: F401  (the kernel's base class)
     except ImportError as exc:
         print(f"error: {exc.name} is missing: pip install -e '.[jupyter]'", file=sys.stderr)
-        sys.exit(2)
+        return 2
     config_file = None
-    if args.config:
+    if config:
         from kernel import config as config_mod
-        config_file = os.path.abspath(args.config)
+        config_file = os.path.abspath(config)
         try:
             config_mod.load(config_file)
         except config_mod.ConfigError as exc:
             print(f"error: {exc}", file=sys.stderr)
-            sys.exit(2)
+            return 2
     import ipykernel.kernelspec
     with tempfile.TemporaryDirectory() as folder:
         with open(os.path.join(folder, "kernel.json"), "w") as f:
-            json.dump(spec(args.name, config_file), f, indent=1)
+            json.dump(spec(name, config_file), f, indent=1)
         logos = os.path.join(os.path.dirname(ipykernel.kernelspec.__file__), "resources")
         for logo in ("logo-32x32.png", "logo-64x64.png"):
             if os.path.exists(os.path.join(logos, logo)):
                 shutil.copy(os.path.join(logos, logo), folder)
         try:
-            path = KernelSpecManager().install_kernel_spec(
-                folder, args.name, user=args.user, prefix=args.prefix)
+            path = KernelSpecManager().install_kernel_spec(folder, name, user=user,
+                                                           prefix=prefix)
         except OSError as exc:
             print(f"error: cannot install the kernelspec: {exc} (try --user)", file=sys.stderr)
-            sys.exit(2)
-    print(f"installed kernelspec {args.name!r} in {path}")
+            return 2
+    print(f"installed kernelspec {name!r} in {path}")
+    return 0

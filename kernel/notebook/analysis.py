@@ -1,7 +1,7 @@
 """What a notebook cell defines, deletes, reads and imports, from its parse alone.
 
 Nothing is executed or imported. IPython syntax is first turned into Python
-with IPython's TransformerManager, as the executor does (kernel/worker/runner.py).
+with IPython's TransformerManager, as the executor does (kernel/worker/execution.py).
 The magics that come out of it as `get_ipython().run_line_magic(...)` are
 read by name: a few whose effect on the namespace is known (`%matplotlib`,
 `%time CODE`, `%%capture NAME`, `!cmd`, ...); any other counts as reading

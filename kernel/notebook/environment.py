@@ -7,9 +7,9 @@ caches in (`XDG_*`, IPython's, matplotlib's, Jupyter's) are inside it, as
 is `TMPDIR`, so what the notebook leaves there goes with the run. A name
 that looks like it holds a secret is refused before anything runs.
 
-The kernel's identity is measured in that environment, by the same
-interpreter started the way the kernel is (kernel/server/pool.py
-`zygote_env`): what it finds installed is what the notebook can import.
+The interpreter's identity is measured in that environment, by the same
+interpreter started the way the run's zygote is (kernel/worker/process.py
+`worker_env`): what it finds installed is what the notebook can import.
 """
 
 import hashlib
@@ -99,7 +99,7 @@ class ProbeFailed(RuntimeError):
     """The kernel's interpreter could not be started in the run's environment."""
 
 
-def kernel_identity(env, cwd, timeout):
+def interpreter_identity(env, cwd, timeout):
     """What the run's interpreter is, measured in `env` and `cwd` within `timeout` s.
 
     {executable, interpreter_sha256, python_version, version, implementation,

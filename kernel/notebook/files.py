@@ -22,7 +22,8 @@ def sha256_file(path):
 def stage(dest, data):
     """Write `data` (bytes) to a new hidden file beside `dest`; returns its path.
 
-    Its mode is what open() would have given `dest` (mkstemp makes 0600).
+    Its mode is what writing `dest` with open() would leave: the mode of the
+    file there, or the umask's for a new one (mkstemp makes 0600).
     """
     folder = os.path.dirname(os.path.abspath(dest))
     fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(dest)}.", suffix=".tmp",
@@ -32,9 +33,13 @@ def stage(dest, data):
             f.write(data)
             f.flush()
             os.fsync(f.fileno())
-        mask = os.umask(0)
-        os.umask(mask)
-        os.chmod(tmp, 0o666 & ~mask)
+        try:
+            mode = os.stat(dest).st_mode & 0o7777
+        except FileNotFoundError:
+            mask = os.umask(0)
+            os.umask(mask)
+            mode = 0o666 & ~mask
+        os.chmod(tmp, mode)
     except BaseException:
         discard(tmp)
         raise

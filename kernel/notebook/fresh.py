@@ -3,7 +3,8 @@
 A fresh run starts machinery of its own: a Registry (kernel/server/) on a
 temporary store, whose pool spawns a brand-new zygote interpreter in the
 run's explicit environment and working directory (kernel/notebook/
-environment.py). No warm zygote (of third-party modules, only the kernel's
+environment.py). Its cells are protocol.NotebookCell, its options a
+protocol.FreshOptions. No warm zygote (of third-party modules, only the kernel's
 own, such as lmdb and cloudpickle, are imported before the notebook imports
 anything), no spare children, one live state at a time. The code cells
 run in order, each from the state the previous one made, starting from the
@@ -22,11 +23,11 @@ at that size as it writes (display.max_output_bytes), and the run fails as
 soon as a cell's outputs would take the total past it.
 
 A run fails with exactly one category (kernel/notebook/receipt.py
-CATEGORIES); receipt.build turns the run into its receipt.
+CATEGORIES); receipt.build turns the run into its receipt. A run asked for
+over HTTP is `run_request`; one of a file, fresh_file.run_file.
 """
 
 import dataclasses
-import datetime
 import hashlib
 import json
 import linecache
@@ -40,13 +41,13 @@ import threading
 import time
 
 from kernel import protocol
-from kernel.notebook import environment, processes
-from kernel.protocol import ExecuteAnswer
-from kernel.server.pool import zygote_env
+from kernel.errors import InvalidRequest
+from kernel.notebook import environment, processes, receipt
+from kernel.protocol import SKIP_TAGS, CellStatus, ExecuteAnswer, NotebookRun
 from kernel.server.registry import Registry
-from storage.store import Store, StoreError
+from kernel.worker.process import worker_env
+from storage.store import StoreError
 
-SKIP_TAGS = ("no-execute", "skip-execution")
 MAX_CLEANUP_S = 30
 _SHA256 = re.compile(r"[0-9a-f]{64}\Z")
 # Seconds the cells' thread gets to notice its processes were killed before the run
@@ -106,26 +107,11 @@ class Limits:
         return limits
 
 
-@dataclasses.dataclass
-class Cell:
-    """One code cell of the notebook, and what became of it."""
-    index: int  # position among all the notebook's cells
-    id: str
-    source: str
-    skip: bool = False
-    status: str = "not_run"  # statuses.FRESH; "running" only while it runs
-    seconds: float = 0.0
-    outputs: list = dataclasses.field(default_factory=list)
-    error: dict | None = None
-    execution_count: int | None = None
-    category: str | None = None
-
-    @property
-    def empty(self):
-        """True when the cell holds nothing but blank lines and comments: running it
-        would prove nothing, so it neither runs nor counts."""
-        return all(not line.strip() or line.lstrip().startswith("#")
-                   for line in self.source.splitlines())
+def is_empty(cell):
+    """True when the cell holds nothing but blank lines and comments: running it would
+    prove nothing, so it neither runs nor counts."""
+    return all(not line.strip() or line.lstrip().startswith("#")
+               for line in cell.source.splitlines())
 
 
 def output_size(output):
@@ -134,51 +120,48 @@ def output_size(output):
         "utf-8", "surrogatepass"))
 
 
-def _now():
-    """The current time as an ISO 8601 UTC string."""
-    return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="milliseconds")
-
-
 class FreshRun:
-    """One fresh run of `cells` (a list of Cell).
+    """One fresh run of `cells` (protocol.NotebookCell, each NOT_RUN until taken).
 
-    `settings` is the configuration (kernel.config.load); `limits` a Limits;
-    `variables` the names to pass from the caller's environment besides the
-    configured ones (each must be set); `cwd` the working directory;
-    `expected_environment` the environment SHA-256 the kernel must have;
-    `keep_states` a folder that keeps the run's store (None: a temporary one);
-    `adopt_orphans`: make this process a child subreaper, and at the end kill
-    and reap every process below it (only for a process whose only children
-    are the run's: the command line);
-    `on_cell(cell)` is called as each cell ends.
+    `settings` is the configuration (kernel.config.load); `options` a
+    protocol.FreshOptions: `env` the names to pass from the caller's
+    environment besides the configured ones (each must be set), `cwd` the
+    working directory, `expected_environment` the environment SHA-256 the
+    interpreter must have, `keep_states` a folder that keeps the run's store
+    (None: a temporary one); `limits` a Limits (default: from `settings` and
+    the options' timeouts); `adopt_orphans`: make this process a child
+    subreaper, and at the end kill and reap every process below it (only for
+    a process whose only children are the run's: the command line);
+    `on_cell(cell)` is called as each cell ends; `cancel` (a threading.Event),
+    once set, interrupts the running cell and ends the run.
 
     `run()` never raises for what the notebook does; afterwards `category`
-    (None on success), `message`, `cells`, `kernel`, `output_bytes` and
+    (None on success), `message`, `cells`, `interpreter`, `output_bytes` and
     `cleanup` describe the run.
     """
 
-    def __init__(self, cells, settings, limits=None, variables=(), cwd=None,
-                 expected_environment=None, keep_states=None, adopt_orphans=False,
-                 on_cell=None):
+    def __init__(self, cells, settings, options, limits=None, adopt_orphans=False,
+                 on_cell=None, cancel=None):
         """Prepare the run; nothing starts before `run()`."""
+        self.cancel = cancel or threading.Event()
         self.cells = cells
         self.settings = settings
         self.limits = limits
-        self.variables = list(variables)
-        self.cwd = cwd
-        self.expected_environment = expected_environment
-        self.keep_states = keep_states
+        self.variables = list(options.env)
+        self.cwd = options.cwd
+        self.expected_environment = options.expected_environment
+        self.keep_states = options.keep_states
         self.adopt_orphans = adopt_orphans
         self.on_cell = on_cell
         self.category = None
         self.message = ""
-        self.kernel = None
+        self.interpreter = None  # what environment.interpreter_identity measured
         self.env_names = []
         self.output_bytes = 0
         self.peak_bytes = 0
         self.cleanup = {"status": "ok", "seconds": 0.0, "processes_observed": 0,
                         "processes_left": 0, "files_removed": True}
-        self.started_at = _now()
+        self.started_at = protocol.now()
         self.ended_at = None
         self.seconds = 0.0
         self.lock = threading.Lock()
@@ -201,6 +184,8 @@ class FreshRun:
     def run(self):
         """Run the notebook, then clean up; returns self."""
         start = time.monotonic()
+        for cell in self.cells:
+            cell.status, cell.took_s = CellStatus.NOT_RUN, 0.0
         if self.category is None:
             try:
                 self._check_input()
@@ -214,7 +199,7 @@ class FreshRun:
                 self.refuse(exc.category, str(exc))
             finally:
                 self._clean_up(workdir)
-        self.ended_at = _now()
+        self.ended_at = protocol.now()
         self.seconds = round(time.monotonic() - start, 3)
         return self
 
@@ -246,26 +231,26 @@ class FreshRun:
                                             f"{self.limits.max_code_cells}")
         for cell in self.cells:
             if cell.skip:
-                cell.status = "skipped"
-            elif cell.empty:
-                cell.status = "empty"
+                cell.status = CellStatus.SKIPPED
+            elif is_empty(cell):
+                cell.status = CellStatus.EMPTY
         statuses = {c.status for c in self.cells}
-        if statuses <= {"empty"}:
+        if statuses <= {CellStatus.EMPTY}:
             raise Refused("NO_CODE", "the notebook has no code to run (its code cells, if "
                                      "any, are empty or only comments)")
-        if "not_run" not in statuses:
+        if CellStatus.NOT_RUN not in statuses:
             raise Refused("ALL_SKIPPED", "every code cell with code is tagged "
                                          f"{' or '.join(SKIP_TAGS)}: nothing would run")
         # Syntax is checked for every cell before any runs: a run that cannot succeed
         # has no side effects.
-        from kernel.worker.runner import compile_cell
+        from kernel.worker.execution import compile_cell
         for cell in self.cells:
-            if cell.status != "not_run":
+            if cell.status != CellStatus.NOT_RUN:
                 continue
             compiled = compile_cell(cell.source, 0)
             linecache.cache.pop(compiled.filename, None)
             if compiled.error is not None:
-                cell.status, cell.category = "failed", "SYNTAX_ERROR"
+                cell.status, cell.category = CellStatus.FAILED, "SYNTAX_ERROR"
                 cell.error = compiled.error
                 raise Refused("SYNTAX_ERROR", f"{_name(cell)} does not compile: "
                                               f"{compiled.error['ename']}")
@@ -283,7 +268,7 @@ class FreshRun:
         self.env_names = sorted(env)
         cwd = self.cwd or os.path.join(workdir, "home")
         try:
-            self.kernel = environment.kernel_identity(zygote_env(env), cwd,
+            self.interpreter = environment.interpreter_identity(worker_env(env), cwd,
                                                       deadline - time.monotonic())
         except subprocess.TimeoutExpired:
             raise Refused("RUN_TIMEOUT", "the deadline passed while the kernel's environment "
@@ -291,9 +276,9 @@ class FreshRun:
         except environment.ProbeFailed as exc:
             raise Refused("WORKER_DIED", str(exc)) from None
         expected = self.expected_environment
-        if expected is not None and expected != self.kernel["environment_sha256"]:
+        if expected is not None and expected != self.interpreter["environment_sha256"]:
             raise Refused("ENVIRONMENT_MISMATCH",
-                          f"the kernel's environment is {self.kernel['environment_sha256']}, "
+                          f"the kernel's environment is {self.interpreter['environment_sha256']}, "
                           f"not the expected {expected}")
         self._check_cells()
         if self.adopt_orphans:
@@ -314,7 +299,7 @@ class FreshRun:
             self.registry = Registry(dict(self.settings, **overrides), env=env, cwd=cwd)
         except (StoreError, OSError) as exc:
             raise Refused("WORKER_DIED", f"the run's kernel could not start: {exc}") from None
-        self.tracker = processes.Tracker(self.registry.pool.zygote_proc.pid)
+        self.tracker = processes.Tracker(self.registry.worker_root())
         worker = threading.Thread(target=self._execute_all, name="fresh-cells", daemon=True)
         worker.start()
         self._watch(worker, deadline)
@@ -324,11 +309,11 @@ class FreshRun:
         state = "initial"
         for cell in self.cells:
             with self.lock:
-                if self.stop or self.abandoned or cell.status != "not_run":
-                    if cell.status != "not_run" and self.on_cell:
+                if self.stop or self.abandoned or cell.status != CellStatus.NOT_RUN:
+                    if cell.status != CellStatus.NOT_RUN and self.on_cell:
                         self.on_cell(cell)
                     continue
-                cell.status = "running"
+                cell.status = CellStatus.RUNNING
                 self.running_exec = f"fresh-{cell.index}"
             started = time.monotonic()
             try:
@@ -339,12 +324,12 @@ class FreshRun:
             with self.lock:
                 if self.abandoned:
                     return
-                cell.seconds = round(time.monotonic() - started, 3)
+                cell.took_s = round(time.monotonic() - started, 3)
                 self._record(cell, answer)
                 self.running_exec = None
             if self.on_cell:
                 self.on_cell(cell)
-            if cell.status == "failed":
+            if cell.status == CellStatus.FAILED:
                 with self.lock:
                     self._halt(cell.category, f"{_name(cell)} failed: {cell.error['ename']}")
                 continue
@@ -365,9 +350,9 @@ class FreshRun:
         if error is None and self.stop and self.stop[0] == "OUTPUT_LIMIT":
             error = protocol.error("OutputLimit", self.stop[1])
         if error is None:
-            cell.status = "ran"
+            cell.status = CellStatus.RAN
             return
-        cell.status, cell.error = "failed", error
+        cell.status, cell.error = CellStatus.FAILED, error
         cell.category = self.stop[0] if self.stop else _CATEGORY_OF_ENAME.get(
             error["ename"], "CELL_ERROR")
 
@@ -393,12 +378,15 @@ class FreshRun:
                                               f"memory_fuse_mb = {self.limits.memory_fuse_mb} "
                                               f"MiB")
                     kill_at = now
-                elif now > deadline and kill_at is None:
-                    self._halt("RUN_TIMEOUT", f"the run took longer than its deadline of "
-                                              f"{self.limits.timeout_s} s")
+                elif kill_at is None and (now > deadline or self.cancel.is_set()):
+                    if now > deadline:
+                        self._halt("RUN_TIMEOUT", f"the run took longer than its deadline "
+                                                  f"of {self.limits.timeout_s} s")
+                    else:
+                        self._halt("CELL_ERROR", "the run was interrupted")
                     exec_id = self.running_exec
-                    # The supervisor kills an interrupted cell after the grace period;
-                    # anything else (a kernel still starting) is killed at once.
+                    # An interrupted cell is killed after the grace period by the
+                    # registry; anything else (a kernel still starting) at once.
                     interrupted = exec_id is not None and self.registry.interrupt(exec_id)
                     kill_at = now + grace + 1 if interrupted else now
             if kill_at is not None and now >= kill_at:
@@ -410,8 +398,8 @@ class FreshRun:
         with self.lock:
             self.abandoned = True
             for cell in self.cells:
-                if cell.status == "running":
-                    cell.status = "failed"
+                if cell.status == CellStatus.RUNNING:
+                    cell.status = CellStatus.FAILED
                     cell.category = self.stop[0] if self.stop else "WORKER_DIED"
                     cell.error = protocol.error(cell.category, self.stop[1] if self.stop
                                                 else "the cell did not finish")
@@ -428,8 +416,7 @@ class FreshRun:
         left = set()
         if self.registry is not None:
             self.tracker.kill_all(deadline)
-            self.registry.close()  # kills the zygote (the subreaper) and waits for it
-            Store.release(self.registry.settings["server.data_dir"])
+            self.registry.close()  # kills the zygote (the subreaper), releases the store
             if self.adopt_orphans:
                 # Anything that escaped the zygote reached this process, a subreaper.
                 processes.Tracker(os.getpid()).kill_all(deadline)
@@ -462,3 +449,35 @@ def source_digest(cells):
     canonical = json.dumps([{"id": c.id, "source": c.source, "skip": c.skip} for c in cells],
                            sort_keys=True, ensure_ascii=False)
     return hashlib.sha256(canonical.encode("utf-8", "surrogatepass")).hexdigest()
+
+
+def run_request(request, settings, on_cell=None):
+    """A fresh run asked for over HTTP (POST /notebooks/run with "fresh": true): the
+    run's NotebookRun, with its receipt; InvalidRequest for bad input.
+
+    The notebook comes as its code cells; its source SHA-256 in the receipt
+    is over their ids, sources and skip flags. `on_cell(cell)` is called as
+    each cell ends. Fresh runs keep no state, so
+    every `state_name` and `key` is null.
+    """
+    options = request.fresh
+    ids = set()
+    for cell in request.cells:
+        if cell.id in ids:
+            raise InvalidRequest(f"two cells have the id {cell.id!r}")
+        ids.add(cell.id)
+    if options.cwd is not None and not os.path.isabs(options.cwd):
+        raise InvalidRequest("cwd must be an absolute path on the server")
+    try:
+        limits = Limits.of(settings, options.timeout, options.cell_timeout)
+    except Refused as exc:
+        raise InvalidRequest(str(exc)) from None
+    run = FreshRun(request.cells, settings, options, limits, on_cell=on_cell).run()
+    if run.category == "BAD_INPUT":
+        raise InvalidRequest(run.message)
+    return NotebookRun(
+        request.notebook, run.cells, exec_id=request.exec_id, running=False,
+        started=run.started_at, finished=run.ended_at,
+        order=[c.id for c in run.cells if c.status in (CellStatus.RAN, CellStatus.FAILED)],
+        receipt=receipt.build(run, {"path": None, "sha256": source_digest(run.cells)},
+                              cwd=options.cwd))

@@ -1,7 +1,8 @@
 """A fresh run of an .ipynb file: its files checked, its output promoted, its receipt.
 
-The notebook is read once (its SHA-256 is over those bytes) and read again
-at the end: a source that changed meanwhile fails the run. The executed
+The notebook is read once (its SHA-256 is over those bytes; ipynb.py reads
+and writes it) and read again at the end: a source that changed meanwhile
+fails the run. The executed
 notebook (every code cell's stale outputs, execution count and execution
 timing cleared, then the run's filled in) is written to a hidden file beside
 the destination and renamed into place only after the run succeeded and
@@ -12,69 +13,17 @@ outcome, unless its own path is the problem.
 
 import hashlib
 import os
-import warnings
 
-import nbformat
+from kernel.notebook import files, ipynb, receipt
+from kernel.notebook.fresh import FreshRun, Limits, Refused
 
-from kernel.notebook import files, receipt
-from kernel.notebook.fresh import SKIP_TAGS, Cell, FreshRun, Limits, Refused
-
-# Exit statuses of `main.py run --fresh`.
-EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT = 0, 1, 2
-# Categories that say the command was asked for something it will not do.
-_REFUSALS = ("BAD_INPUT", "OUTPUT_EXISTS")
+# Categories that say the command was asked for something it will not do (exit status 2).
+REFUSALS = ("BAD_INPUT", "OUTPUT_EXISTS")
 
 
 def shown(path):
     """A path as the receipt names it: relative to the working directory of the command."""
     return os.path.relpath(path)
-
-
-def read(path):
-    """(bytes, nbformat notebook) of the .ipynb at `path`; Refused(BAD_INPUT) if it is
-    not a readable, valid notebook of Python code."""
-    try:
-        with open(path, "rb") as f:
-            data = f.read()
-    except OSError as exc:
-        raise Refused("BAD_INPUT", f"cannot read {path}: {exc.strerror}") from None
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # nbformat warns about what it repairs
-            notebook = nbformat.reads(data.decode("utf-8"), as_version=4)
-            nbformat.validate(notebook)
-    except Exception as exc:  # not UTF-8, not JSON, not a valid notebook
-        raise Refused("BAD_INPUT", f"{path} is not a valid Jupyter notebook: "
-                                   f"{type(exc).__name__}: {str(exc)[:300]}") from None
-    metadata = notebook.get("metadata", {})
-    language = (metadata.get("kernelspec", {}).get("language")
-                or metadata.get("language_info", {}).get("name") or "python")
-    if language.lower() != "python":
-        raise Refused("BAD_INPUT", f"{path} is a {language} notebook; fresh runs run Python")
-    return data, notebook
-
-
-def cells_of(notebook):
-    """The code cells of a notebook as fresh.Cell (ids `cell-N` where it has none)."""
-    return [Cell(index=n, id=cell.get("id") or f"cell-{n}", source=cell.source,
-                 skip=bool(set(cell.get("metadata", {}).get("tags", [])) & set(SKIP_TAGS)))
-            for n, cell in enumerate(notebook.cells) if cell.cell_type == "code"]
-
-
-def executed(notebook, cells):
-    """The notebook as the run leaves it: stale outputs, counts and timings cleared, the
-    run's outputs and execution counts filled in (nbformat-valid)."""
-    result = nbformat.from_dict(notebook)
-    by_index = {cell.index: cell for cell in cells}
-    for n, cell in enumerate(result.cells):
-        if cell.cell_type != "code":
-            continue
-        ran = by_index[n]
-        cell.outputs = [nbformat.from_dict(o) for o in ran.outputs]
-        cell.execution_count = ran.execution_count
-        cell.metadata.pop("execution", None)  # nbclient's timings of an earlier run
-    nbformat.validate(result)
-    return result
 
 
 def _same(a, b):
@@ -113,52 +62,57 @@ def _check_output_path(source, output):
     _check_writable(output, "output")
 
 
-def run_file(source, output, receipt_path, settings, timeout=None, cell_timeout=None,
-             cwd=None, variables=(), lock=None, expected_environment=None, overwrite=False,
-             keep_states=None, adopt_orphans=False, on_cell=None):
-    """Run the notebook at `source` fresh; returns (exit status, receipt).
+def run_file(source, output, options, settings, adopt_orphans=False, on_cell=None,
+             cancel=None):
+    """Run the notebook at `source` fresh, writing the executed notebook to `output`
+    (None: nowhere); returns the finished FreshRun and its receipt.
 
-    Refused(BAD_INPUT), before anything else, when no receipt can be written
-    at `receipt_path` (None: no receipt file); `on_cell(cell)` is called as
-    each cell ends; `adopt_orphans` is FreshRun's (for the command line only).
-    The other arguments are the command's options (README).
+    `options` is a protocol.FreshOptions (its `receipt`, `lock` and
+    `overwrite` are about files, and this module's); Refused(BAD_INPUT),
+    before anything else, when no receipt can be written at
+    `options.receipt` (None: no receipt file). `on_cell(cell)` is called as
+    each cell ends; `adopt_orphans` and `cancel` are FreshRun's (`adopt_orphans`
+    for the command line only).
     """
-    run = FreshRun([], settings, variables=variables, expected_environment=expected_environment,
-                   keep_states=keep_states, adopt_orphans=adopt_orphans, on_cell=on_cell)
+    run = FreshRun([], settings, options, adopt_orphans=adopt_orphans, on_cell=on_cell,
+                   cancel=cancel)
     source_info = {"path": shown(source), "sha256": None}
     output_info = None if output is None else {"path": shown(output), "sha256": None,
                                                "written": False}
     lock_info = notebook = None
-    if receipt_path is not None:
-        _check_receipt_path(receipt_path, [source, output, lock])
+    if options.receipt is not None:
+        _check_receipt_path(options.receipt, [source, output, options.lock])
     try:
-        run.limits = Limits.of(settings, timeout, cell_timeout)
-        data, notebook = read(source)
+        run.limits = Limits.of(settings, options.timeout, options.cell_timeout)
+        try:
+            data, notebook = ipynb.read(source, strict=True)
+        except ipynb.NotebookFileError as exc:
+            raise Refused("BAD_INPUT", str(exc)) from None
         source_info["sha256"] = hashlib.sha256(data).hexdigest()
-        run.cells = cells_of(notebook)
+        run.cells = ipynb.code_cells(notebook)
         if output is not None:
             _check_output_path(source, output)
-        if lock is not None:
+        if options.lock is not None:
             try:
-                lock_info = {"path": shown(lock), "sha256": files.sha256_file(lock)}
+                lock_info = {"path": shown(options.lock),
+                             "sha256": files.sha256_file(options.lock)}
             except OSError as exc:
-                raise Refused("BAD_INPUT", f"cannot read the lock file {lock}: "
+                raise Refused("BAD_INPUT", f"cannot read the lock file {options.lock}: "
                                            f"{exc.strerror}") from None
-        run.cwd = cwd if cwd is not None else os.path.dirname(os.path.abspath(source))
-        if output is not None and os.path.lexists(output) and not overwrite:
+        if run.cwd is None:
+            run.cwd = os.path.dirname(os.path.abspath(source))
+        if output is not None and os.path.lexists(output) and not options.overwrite:
             raise Refused("OUTPUT_EXISTS", f"{output} exists (--overwrite replaces it)")
     except Refused as exc:
         run.refuse(exc.category, str(exc))
     run.run()
     if run.category is None:
-        _finish(run, source, source_info, notebook, output, output_info, overwrite)
+        _finish(run, source, source_info, notebook, output, output_info, options.overwrite)
     built = receipt.build(run, source_info, output_info, lock_info,
                           shown(run.cwd) if run.cwd else None)
-    if receipt_path is not None:
-        receipt.write(built, receipt_path)
-    if run.success:
-        return EXIT_OK, built
-    return (EXIT_BAD_INPUT if run.category in _REFUSALS else EXIT_FAILED), built
+    if options.receipt is not None:
+        receipt.write(built, options.receipt)
+    return run, built
 
 
 def _finish(run, source, source_info, notebook, output, output_info, overwrite):
@@ -166,7 +120,7 @@ def _finish(run, source, source_info, notebook, output, output_info, overwrite):
     tmp = None
     try:
         if output is not None:
-            data = (nbformat.writes(executed(notebook, run.cells)) + "\n").encode()
+            data = ipynb.dumps(ipynb.executed(notebook, run.cells))
             tmp = files.stage(output, data)
         try:
             unchanged = files.sha256_file(source) == source_info["sha256"]

@@ -30,8 +30,7 @@ import dataclasses
 import heapq
 
 from kernel.notebook.analysis import BUILTINS
-
-ORDERS = ("notebook", "dataflow")
+from kernel.protocol import ORDERS, error
 
 
 @dataclasses.dataclass
@@ -57,11 +56,6 @@ class Graph:
         return found
 
 
-def _error(ename, evalue):
-    """An nbformat-style error for a cell that does not run."""
-    return {"ename": ename, "evalue": evalue, "traceback": [f"{ename}: {evalue}"]}
-
-
 def _names(names):
     """Names for a message: 'a', 'b' and 'c'."""
     names = [repr(n) for n in sorted(names)]
@@ -81,7 +75,7 @@ def build(ids, analyses, order="notebook"):
                 "kind": "syntax_error", "cells": [ids[i]], "names": [],
                 "message": f"cell {ids[i]!r}: {err['message']}{where}",
                 "line": err["line"], "column": err["column"]})
-            graph.blocked[i] = _error("SyntaxError", f"{err['message'].split(': ', 1)[-1]}{where}")
+            graph.blocked[i] = error("SyntaxError", f"{err['message'].split(': ', 1)[-1]}{where}")
     (_notebook if order == "notebook" else _dataflow)(graph, analyses)
     _block_dependents(graph)
     return graph
@@ -94,7 +88,7 @@ def _block_dependents(graph):
             continue
         stuck = sorted(p for p in graph.inputs.get(i, ()) if p in graph.blocked)
         if stuck:
-            graph.blocked[i] = _error("Blocked", f"needs cell {graph.ids[stuck[0]]!r}, which "
+            graph.blocked[i] = error("Blocked", f"needs cell {graph.ids[stuck[0]]!r}, which "
                                       f"cannot run")
 
 
@@ -197,7 +191,7 @@ def _dataflow(graph, analyses):
         graph.diagnostics.append({"kind": kind, "cells": [ids[c] for c in cells],
                                   "names": sorted(names), "message": message})
         for c in cells:
-            caught.setdefault(c, _error("DoubleDefinition" if kind == "double_definition"
+            caught.setdefault(c, error("DoubleDefinition" if kind == "double_definition"
                                         else "ForeignAssignment", message))
         for name in names:
             ambiguous[name] = kind
@@ -246,7 +240,7 @@ def _dataflow(graph, analyses):
         graph.inputs[i].discard(i)
         edges_by[i] = {n: p for n, p in graph.needs[i].items() if p is not None}
         if waits and i not in caught:
-            caught[i] = _error("Blocked", f"reads {_names(waits)}, defined in more than one cell")
+            caught[i] = error("Blocked", f"reads {_names(waits)}, defined in more than one cell")
     _order_and_cycles(graph, analyses, edges_by, caught)
     for i, err in caught.items():
         graph.blocked.setdefault(i, err)
@@ -270,7 +264,7 @@ def _order_and_cycles(graph, analyses, edges_by, caught):
         graph.diagnostics.append({"kind": "cycle", "cells": ids, "names": names,
                                   "message": message})
         for c in comp:
-            caught.setdefault(c, _error("Cycle", message))
+            caught.setdefault(c, error("Cycle", message))
     # Kahn's algorithm over components, the one with the earliest cell first.
     after = {k: set() for k in range(len(components))}
     waiting = {k: 0 for k in range(len(components))}

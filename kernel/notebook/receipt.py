@@ -15,7 +15,8 @@ import tomllib
 import fastjsonschema
 
 from kernel.config import ROOT
-from kernel.notebook import files, statuses
+from kernel.notebook import files
+from kernel.protocol import FRESH_STATUSES, CellStatus
 
 FORMAT = 1
 
@@ -74,7 +75,7 @@ SCHEMA = {
         "cells": {"type": "array", "items": _object({
             "index": _COUNT,
             "id": {"type": "string"},
-            "status": {"enum": list(statuses.FRESH)},
+            "status": {"enum": [s.value for s in FRESH_STATUSES]},
             "seconds": _SECONDS,
             "execution_count": {"type": ["integer", "null"]},
             "category": {"enum": list(CATEGORIES) + [None]},
@@ -124,13 +125,15 @@ def build(run, source, output=None, lock=None, cwd=None):
     the working directory as the receipt names it.
     """
     cells = run.cells
+    def count(*statuses):
+        """How many cells ended with one of `statuses`."""
+        return sum(c.status in statuses for c in cells)
+
     counts = {"code_cells": len(cells),
-              "attempted": sum(c.status in ("ran", "failed") for c in cells),
-              "completed": sum(c.status == "ran" for c in cells),
-              "failed": sum(c.status == "failed" for c in cells),
-              "skipped": sum(c.status == "skipped" for c in cells),
-              "empty": sum(c.status == "empty" for c in cells),
-              "not_run": sum(c.status == "not_run" for c in cells)}
+              "attempted": count(CellStatus.RAN, CellStatus.FAILED),
+              "completed": count(CellStatus.RAN), "failed": count(CellStatus.FAILED),
+              "skipped": count(CellStatus.SKIPPED), "empty": count(CellStatus.EMPTY),
+              "not_run": count(CellStatus.NOT_RUN)}
     limits = run.limits
     receipt = {
         "format": FORMAT,
@@ -141,11 +144,11 @@ def build(run, source, output=None, lock=None, cwd=None):
         "source": source,
         "output": output,
         "lock": lock,
-        "kernel": run.kernel,
+        "kernel": run.interpreter,
         "environment": {"variables": run.env_names, "cwd": cwd,
                         "expected_sha256": run.expected_environment},
         "counts": counts,
-        "cells": [{"index": c.index, "id": c.id, "status": c.status, "seconds": c.seconds,
+        "cells": [{"index": c.index, "id": c.id, "status": c.status, "seconds": c.took_s,
                    "execution_count": c.execution_count, "category": c.category,
                    "ename": c.error["ename"] if c.error else None} for c in cells],
         "started_at": run.started_at,

@@ -21,6 +21,7 @@ import time
 from kernel import protocol
 from kernel.config import ROOT
 from kernel.server.connections import Connections
+from kernel.worker.process import worker_env
 
 log = logging.getLogger("snapshot_kernel")
 PAGE_BYTES = os.sysconf("SC_PAGE_SIZE")
@@ -175,7 +176,7 @@ class Pool:
         if self.connections.closed:
             # A request still waiting when the pool closed must not start another zygote.
             raise WorkerError("WorkerStartFailed", "the worker pool is closed")
-        env = zygote_env(os.environ if self.env is None else self.env)
+        env = worker_env(os.environ if self.env is None else self.env)
         out = open(self.settings["server.log_file"] or os.devnull, "ab")
         code = ("import json, sys\nfrom kernel.worker.zygote import zygote_main\n"
                 "zygote_main(sys.argv[1], json.loads(sys.argv[2]))")
@@ -594,14 +595,6 @@ class Pool:
             except (ProcessLookupError, PermissionError):
                 pass
             self.zygote_proc.wait()
-
-
-def zygote_env(base):
-    """The environment a zygote is spawned with: `base`, a fixed hash seed, the Agg
-    backend, and this repository first on PYTHONPATH."""
-    env = dict(base, PYTHONHASHSEED="0", MPLBACKEND="Agg")
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [ROOT, env.get("PYTHONPATH")]))
-    return env
 
 
 def buffer_bytes(manifest, settings):

@@ -3,7 +3,7 @@
 Names are labels on immutable states: executing or rebuilding into an
 existing name rebinds it (the state it named is retired). The registry
 answers metadata questions from manifests alone; requests that run code
-go through the supervisor to children of the live holders.
+go through the cell runs (cell_runs.py) to children of the live holders.
 """
 
 import logging
@@ -14,12 +14,12 @@ from kernel import protocol, trace
 from kernel.errors import Conflict, InvalidRequest, RequestFailed, StateNotFound
 from kernel.protocol import ExecuteAnswer
 from kernel.server.pool import Pool
-from kernel.server.supervisor import Supervisor
+from kernel.server.cell_runs import CellRuns
 from storage import snapshot
 from storage.cache import open_store
-from storage.publisher import Publisher
+from storage.remote_names import RemoteNames
 from storage.remote import NameConflict, RemoteUnavailable
-from storage.store import StoreCorrupt, StoreFull
+from storage.store import Store, StoreCorrupt, StoreFull
 
 log = logging.getLogger("snapshot_kernel")
 
@@ -38,7 +38,7 @@ class Registry:
         trace.configure(settings, "server")
         self.store = open_store(settings)
         # With store.remote: the names other servers bind, and this one's queued uploads.
-        self.shared = Publisher(self.store, settings) if settings["store.remote"] else None
+        self.shared = RemoteNames(self.store, settings) if settings["store.remote"] else None
         if self.shared:
             self.shared.start()
         self.lock = threading.RLock()
@@ -49,8 +49,9 @@ class Registry:
             log.error("%s; that state is left out", problem)
         self._ensure_initial()
         self.generation = 0  # bumped by reset: results of runs started before it are void
+        self.closed = False
         self.pool = Pool(settings, env, cwd)
-        self.supervisor = Supervisor(settings, self.pool)
+        self.cell_runs = CellRuns(settings, self.pool)
         self.pool.start()
 
     def _ensure_initial(self):
@@ -61,10 +62,15 @@ class Registry:
             self.names[INITIAL] = manifest
 
     def close(self):
-        """Stop every worker process; with durability = "async", flush the store to disk."""
+        """Stop every worker process; with durability = "async", flush the store to disk;
+        close this process's handle on it. Once: later calls do nothing."""
+        if self.closed:
+            return
+        self.closed = True
         self.pool.close()
         if self.settings["store.durability"] == "async":
             self.store.sync()
+        Store.release(self.settings["server.data_dir"])
 
     # Metadata ----------------------------------------------------------------
 
@@ -106,6 +112,21 @@ class Registry:
         with self.lock:
             items = list(self.names.items())
         return [n for n, _ in sorted(items, key=lambda kv: kv[1]["created"])]
+
+    def has_state(self, name):
+        """True when a state of that name exists."""
+        return self._lookup(name) is not None
+
+    def is_live(self, name):
+        """True when the state `name` has a live holder (running from it needs no
+        restore); False for an unknown name too."""
+        manifest = self._lookup(name)
+        return manifest is not None and manifest["id"] in self.pool.live_ids()
+
+    def worker_root(self):
+        """The pid of the process every worker of this registry descends from (its
+        zygote, a child subreaper): the root of the registry's process tree."""
+        return self.pool.zygote_proc.pid
 
     def describe(self, name):
         """What GET /states/NAME shows."""
@@ -163,12 +184,14 @@ class Registry:
     # Requests that run code --------------------------------------------------
 
     def execute(self, code, exec_id, state_name, new_name=None, on_output=None,
-                keep_live=True):
+                keep_live=True, cancel=None):
         """Run `code` from `state_name`; on success name the new state `new_name`.
 
         Returns the ExecuteAnswer; `on_output(item)` receives the outputs as
         the cell produces them (the NDJSON lines of a streamed answer).
         `keep_live` False: the new state gets no holder (protocol.Execute).
+        `cancel`: a threading.Event; set before the cell starts, the cell is
+        interrupted as it starts (after, interrupt(exec_id) stops it).
         """
         manifest = self._lookup(state_name)
         with self.lock:
@@ -179,7 +202,7 @@ class Registry:
         request = protocol.Execute(code=code, new_name=new_name or uuid.uuid4().hex,
                                    auto_named=new_name is None, exec_id=_key(exec_id),
                                    stream=on_output is not None, keep_live=keep_live)
-        result, child = self.supervisor.run(manifest, request, on_output)
+        result, child = self.cell_runs.run(manifest, request, on_output, cancel)
         answer = result.answer
         self._raise_store_error(answer.error, request.new_name)
         kept = result.manifest is None or self._bind(result.manifest, child, generation,
@@ -205,7 +228,7 @@ class Registry:
             return ExecuteAnswer.failed(protocol.error("StateNotFound", missing[0]))
         request = protocol.Multistate(code=code, aliases=aliases, exec_id=_key(exec_id),
                                       stream=on_output is not None)
-        result, _ = self.supervisor.run(base, request, on_output)
+        result, _ = self.cell_runs.run(base, request, on_output)
         self._raise_store_error(result.answer.error)
         return result.answer
 
@@ -220,7 +243,7 @@ class Registry:
                                    input_vars=input_vars,
                                    new_name=new_name or uuid.uuid4().hex,
                                    auto_named=new_name is None)
-        result, child = self.supervisor.run(base, request)
+        result, child = self.cell_runs.run(base, request)
         if result.error:
             self._raise_store_error(result.error, request.new_name)
             raise RequestFailed(result.error["evalue"], etype=result.error["ename"])
@@ -230,7 +253,7 @@ class Registry:
 
     def interrupt(self, exec_id):
         """Interrupt the run `exec_id`; False if none is running its cell."""
-        return self.supervisor.interrupt(_key(exec_id))
+        return self.cell_runs.interrupt(_key(exec_id))
 
     def add_state(self, manifest):
         """Store and name a state whose manifest the caller composed from other states'

@@ -18,7 +18,7 @@ import types
 from kernel import protocol, trace
 from kernel.channel import ChannelClosed
 from kernel.protocol import ExecuteAnswer
-from kernel.worker import limits, reads, replay, runner
+from kernel.worker import execution, limits, reads, replay
 from kernel.worker.process import fork_worker, user_names
 from storage import snapshot
 from storage.store import StoreError
@@ -101,7 +101,7 @@ class CellChild:
         """Run a cell; on success store the new state. Returns (manifest or None, result)."""
         state, namespace = self.state, self.state.namespace
         count = state.manifest["execution_count"] + 1
-        cell = runner.compile_cell(msg.code, count)
+        cell = execution.compile_cell(msg.code, count)
         trace.stamp("compiled", msg.exec_id)
         if cell.error:
             return None, protocol.CellResult(ExecuteAnswer.failed(cell.error, count))
@@ -208,7 +208,7 @@ class CellChild:
             scope.pop("__builtins__")
             namespace[alias] = types.SimpleNamespace(**scope)
         count = state.manifest["execution_count"] + 1
-        cell = runner.compile_cell(msg.code, count)
+        cell = execution.compile_cell(msg.code, count)
         if cell.error:
             return None, protocol.CellResult(ExecuteAnswer.failed(cell.error, count))
         names_before = user_names(namespace)

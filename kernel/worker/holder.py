@@ -204,7 +204,7 @@ class StateHolder(WorkerProcess):
     def rehearsal(self):
         """The steps of a throwaway cell: compile, read analysis, run, save (not written)."""
         from kernel.worker import reads
-        from kernel.worker.runner import compile_cell, run_cell
+        from kernel.worker.execution import compile_cell, run_cell
         self.store()
         scratch = {"__builtins__": self.namespace["__builtins__"]}
         # len(): an int result, which needs no IPython shell in a cold worker.

@@ -164,17 +164,17 @@ def end_cell(applied):
 def run_limited(cell, namespace, execution_count, settings, sink=None):
     """Run a compiled cell under the cell limits, SIGINT raising KeyboardInterrupt.
 
-    Returns (outputs, error) as kernel.worker.runner.run_cell does, with a
+    Returns (outputs, error) as kernel.worker.execution.run_cell does, with a
     MemoryError under the memory limit named MemoryLimit. A process that the
     cell forked and that returns from it (os.fork() without exec) exits here,
     quietly: only the process the pool forked may answer and store.
     """
-    from kernel.worker import runner
+    from kernel.worker import execution
     owner = os.getpid()
     applied = begin_cell(settings)
     signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
-        outputs, error = runner.run_cell(cell, namespace, execution_count, settings, sink)
+        outputs, error = execution.run_cell(cell, namespace, execution_count, settings, sink)
     finally:
         if os.getpid() != owner:
             os._exit(0)

@@ -12,6 +12,7 @@ import types
 
 from kernel import protocol, trace
 from kernel.channel import Channel
+from kernel.config import ROOT
 from storage import snapshot
 from storage.cache import open_store
 
@@ -27,6 +28,14 @@ def prctl(option, value):
         ctypes.CDLL(None, use_errno=True).prctl(option, value, 0, 0, 0)
     except (OSError, AttributeError):
         pass
+
+
+def worker_env(base):
+    """The environment a zygote is spawned with: `base`, a fixed hash seed (stable
+    pickles and hashes), the Agg backend, and this repository first on PYTHONPATH."""
+    env = dict(base, PYTHONHASHSEED="0", MPLBACKEND="Agg")
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [ROOT, env.get("PYTHONPATH")]))
+    return env
 
 
 def core_free():

@@ -7,7 +7,7 @@ shallow copy of the restored namespace; only its volatile names are taken
 back, and what it printed is dropped.
 """
 
-from kernel.worker import limits, runner
+from kernel.worker import execution, limits
 
 
 class ReplayFailed(Exception):
@@ -22,7 +22,7 @@ def volatile(manifest, namespace, settings, names=None):
             by_code.setdefault(record["code"], []).append(name)
     for code, wanted in by_code.items():
         scratch = dict(namespace)
-        cell = runner.compile_cell(code, manifest["execution_count"])
+        cell = execution.compile_cell(code, manifest["execution_count"])
         _, error = limits.run_limited(cell, scratch, manifest["execution_count"], settings)
         missing = [n for n in wanted if n not in scratch]
         if error is None and not missing:

@@ -31,8 +31,8 @@ def zygote_main(sock_path, settings):
     os.environ["MPLBACKEND"] = "Agg"
     trace.configure(settings, "zygote")
     limits.init_zygote()
-    from kernel.worker import holder, runner  # every holder runs cells: imported once, here
-    runner.capture.watch_imports()
+    from kernel.worker import execution, holder  # every holder runs cells: imported once, here
+    execution.capture.watch_imports()
     warm = settings["workers.warm_zygote"] and os.fork() == 0
     if warm:
         # Neither attribute survives a fork; the warm zygote dies with the cold one.
@@ -68,8 +68,8 @@ def _warm(settings):
             __import__(name)
         except Exception:
             pass
-    from kernel.worker import runner
-    runner.capture.warm()
+    from kernel.worker import execution
+    execution.capture.warm()
     remote.warm(settings)
-    runner.run_cell(runner.compile_cell("_w = [1]\n_w", 0), {"__builtins__": __builtins__}, 0,
+    execution.run_cell(execution.compile_cell("_w = [1]\n_w", 0), {"__builtins__": __builtins__}, 0,
                     settings)

@@ -21,7 +21,6 @@ the last row writes 1 GB (--quick: 256 MB) of incompressible bytes into
 that directory and syncs them, as `dd conv=fdatasync` would.
 """
 
-import http.client
 import json
 import os
 import socket
@@ -32,6 +31,7 @@ import time
 
 from bench import PAUSE_S
 from bench.report import fmt_ms, median
+from harness import Client
 
 _CALLS = 20  # round trips per floor, pause and round (the first 5 not counted: warm-up)
 _ROUNDS = 2  # the floors take turns, so that a disturbance of the machine is not one's alone
@@ -118,20 +118,20 @@ def _server(script):
 
 
 def _http_round_trips(port, pause):
-    """Seconds of each POST round trip to 127.0.0.1:port on one kept-alive connection."""
-    conn = http.client.HTTPConnection("127.0.0.1", port)
+    """Seconds of each POST round trip to 127.0.0.1:port on one kept-alive connection of
+    the client the workloads use (api/client.py)."""
+    client = Client(f"http://127.0.0.1:{port}")
     times = []
     for i in range(_CALLS):
         time.sleep(pause)
-        body = f'{{"code": "x += 1", "state_name": "s{i}", "new_state_name": "s{i + 1}"}}'
+        body = {"code": "x += 1", "state_name": f"s{i}", "new_state_name": f"s{i + 1}"}
         start = time.perf_counter()
-        conn.request("POST", "/execute", body, {"Content-Type": "application/json"})
-        reply = conn.getresponse()
+        reply = client.send("POST", "/execute", body)
         reply.read()
         times.append(time.perf_counter() - start)
         if reply.status != 200:
             raise RuntimeError(f"the floor's HTTP server answered {reply.status}")
-    conn.close()
+    client.close()
     return times[5:]
 
 

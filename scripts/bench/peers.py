@@ -13,11 +13,9 @@ What a peer can do is said by its attributes (`states`, `persists`,
 """
 
 import contextlib
-import http.client
 import itertools
 import json
 import os
-import socket
 import subprocess
 import sys
 import threading
@@ -28,62 +26,39 @@ import jupyter_client
 import lmdb
 import psutil
 
-from harness import ROOT, TOKEN, ServerProcess, Server, free_port
+from harness import ROOT, TOKEN, Client, ServerProcess, Server, free_port
 
 REF_VERSION = "0.2.1"
 _ids = itertools.count()
 
 
-class Client:
-    """Keep-alive JSON calls to one server (one connection per thread), timed."""
+class Timed:
+    """Timed JSON calls to one server, through the server's own client (api/client.py;
+    one keep-alive connection per thread)."""
 
     def __init__(self, port):
-        """Talk to 127.0.0.1:`port`."""
-        self.port = port
+        """Talk to 127.0.0.1:`port` (the token in the query: the reference reads it there)."""
+        self.client = Client(f"http://127.0.0.1:{port}", TOKEN, timeout=3600,
+                             token_in_query=True)
         self.local = threading.local()
 
-    def _conn(self):
-        """This thread's connection."""
-        conn = getattr(self.local, "conn", None)
-        if conn is None:
-            conn = self.local.conn = http.client.HTTPConnection("127.0.0.1", self.port,
-                                                                timeout=3600)
-            conn.connect()
-            # No Nagle delay on small requests: measure the servers, not TCP.
-            conn.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        return conn
-
     def call(self, method, path, body=None):
-        """One request; returns (seconds, status, decoded JSON answer).
+        """One request; returns (seconds, status, decoded JSON answer), whatever the status.
 
         This thread's last request was sent and its answer read at the
         CLOCK_MONOTONIC times `self.times()` (the clock of kernel/trace.py).
         """
-        raw = None if body is None else json.dumps(body).encode()
-        headers = {"Content-Type": "application/json"} if raw is not None else {}
-        sep = "&" if "?" in path else "?"
-        for attempt in (0, 1):
-            conn = self._conn()
-            started = time.monotonic()
-            try:
-                conn.request(method, f"{path}{sep}token={TOKEN}", raw, headers)
-                resp = conn.getresponse()
-                data = resp.read()
-            except (ConnectionError, http.client.HTTPException, OSError):
-                # A server closing an idle connection: reconnect once.
-                self.reset()
-                if attempt:
-                    raise
-                continue
-            done = time.monotonic()
-            self.local.times = (started, done)
-            try:
-                answer = json.loads(data) if data else None
-            except ValueError:
-                answer = {"error": {"type": "NotJSON", "message": data[:200].decode(
-                    errors="replace")}}
-            return done - started, resp.status, answer
-        raise AssertionError("unreachable")
+        response = self.client.send(method, path, body, timeout=0)
+        data = response.read()
+        done = time.monotonic()
+        sent = self.client.times()[0]
+        self.local.times = (sent, done)
+        try:
+            answer = json.loads(data) if data else None
+        except ValueError:
+            answer = {"error": {"type": "NotJSON", "message": data[:200].decode(
+                errors="replace")}}
+        return done - sent, response.status, answer
 
     def times(self):
         """(sent, answered): CLOCK_MONOTONIC times of this thread's last request."""
@@ -91,10 +66,7 @@ class Client:
 
     def reset(self):
         """Drop this thread's connection (after a server restart)."""
-        conn = getattr(self.local, "conn", None)
-        if conn is not None:
-            conn.close()
-        self.local.conn = None
+        self.client.close()
 
 
 class Peer:
@@ -144,7 +116,7 @@ class HttpPeer(Peer):
     def start(self, first_cell=None, state="initial", timeout=120):
         """Start the server; return (seconds to its first HTTP answer, to the first cell's)."""
         self.process = self.launch(timeout)
-        self.client = Client(self.process.port)
+        self.client = Timed(self.process.port)
         if first_cell is None:
             return self.process.up_s, None
         answer = self.execute(first_cell, state)[1]

@@ -71,7 +71,7 @@ def _make_shell():
     from IPython.core.displaypub import DisplayPublisher
     from IPython.core.interactiveshell import InteractiveShell
 
-    class Publisher(DisplayPublisher):
+    class CellDisplayPublisher(DisplayPublisher):
         """Publishes IPython displays into the running cell's outputs."""
 
         def publish(self, data, metadata=None, source=None, *, transient=None,
@@ -138,7 +138,7 @@ def _make_shell():
     main = sys.modules.get("__main__")
     saved_builtins = {k: builtins.__dict__[k] for k in ("display",) if k in builtins.__dict__}
     try:
-        shell = Shell.instance(config=cfg, user_ns={}, display_pub_class=Publisher)
+        shell = Shell.instance(config=cfg, user_ns={}, display_pub_class=CellDisplayPublisher)
     finally:
         # The shell installs its own __main__ module; the worker's stays.
         if main is not None:
@@ -147,8 +147,8 @@ def _make_shell():
         builtins.__dict__.update(saved_builtins)
     with contextlib.suppress(Exception):
         atexit.unregister(shell.atexit_operations)
-    if not isinstance(shell.display_pub, Publisher):
-        shell.display_pub = Publisher(shell=shell, parent=shell)
+    if not isinstance(shell.display_pub, CellDisplayPublisher):
+        shell.display_pub = CellDisplayPublisher(shell=shell, parent=shell)
     shell._dir_history = [os.getcwd()]
     fmt = shell.display_formatter.formatters
     fmt["image/png"].for_type_by_name("matplotlib.figure", "Figure", figures.figure_mime("image/png"))

@@ -33,7 +33,7 @@ log = logging.getLogger("snapshot_kernel")
 _TRIES = 5
 
 
-class Publisher:
+class RemoteNames:
     """Keeps one server's names in step with the remote."""
 
     def __init__(self, store, settings):
@@ -64,7 +64,7 @@ class Publisher:
         except RemoteUnavailable as exc:
             log.warning("starting from the local cache: %s", exc)
             self.quiet_until = time.monotonic() + self.retry_s
-        threading.Thread(target=self._run, name="remote-publisher", daemon=True).start()
+        threading.Thread(target=self._run, name="remote-names", daemon=True).start()
         self.wake.set()
 
     # Taking in -----------------------------------------------------------

@@ -1,4 +1,4 @@
-"""The supervisor of runs: one request in a child at a time, watched until it ends.
+"""The cell runs in flight: each request in a child, watched until it ends.
 
 It takes a child of the state's live holder, sends the request, and waits
 for the result while enforcing the cell limits from the outside (timeout,
@@ -18,7 +18,7 @@ from kernel.errors import Conflict
 from kernel.server.pool import WorkerError
 
 
-class Run:
+class CellRun:
     """One request in flight: its child and what the watchers did to it."""
 
     def __init__(self, exec_id):
@@ -30,7 +30,7 @@ class Run:
         self.started = time.monotonic()
 
 
-class Supervisor:
+class CellRuns:
     """Runs requests in children of live states, by exec_id."""
 
     def __init__(self, settings, pool):
@@ -40,21 +40,25 @@ class Supervisor:
         self.lock = threading.Lock()
         self.running = {}  # exec_id -> Run
 
-    def run(self, manifest, request, on_output=None):
+    def run(self, manifest, request, on_output=None, cancel=None):
         """Send `request` to a child of `manifest`'s state; (result message, child).
 
         The result is what the child answered (protocol.CellResult or
         RebuildResult), or `request.failed(...)` saying how the run was
         stopped or could not start; the child is None when none ran it.
-        `on_output(item)` receives streamed output items.
+        `on_output(item)` receives streamed output items. `cancel` (an Event)
+        already set when the request is registered stops it as an interrupt
+        would: whoever sets it and then calls `interrupt` cannot miss it.
         """
         key = request.exec_id
-        run = Run(key)
+        run = CellRun(key)
         with self.lock:
             if key is not None and key in self.running:
                 raise Conflict(f"exec_id {key!r} is already running")
             if key is not None:
                 self.running[key] = run
+            if cancel is not None and cancel.is_set():
+                run.stopped = ("KeyboardInterrupt", "interrupted before the cell started")
         try:
             try:
                 run.child = self._take_child(manifest)

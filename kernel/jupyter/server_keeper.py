@@ -1,14 +1,14 @@
 """Keeps a kernelspec's server up while kernels use it, and stops it after.
 
 Run as a script by the kernel that starts the server (standard library
-only, so it needs no import path): `python supervisor.py FOLDER IDLE_S --
+only, so it needs no import path): `python server_keeper.py FOLDER IDLE_S --
 COMMAND...`. It runs in a session of its own, so neither Jupyter's kill of
 a kernel's process group nor ipykernel's reaping of its children reaches
 it: several kernels share the server, and a restarted kernel finds it.
 
 Every kernel holds a shared lock on FOLDER/kernels.lock while it lives
 (the system drops it when the kernel dies, however it dies). Once no
-kernel has held it for IDLE_S seconds, the supervisor stops the server,
+kernel has held it for IDLE_S seconds, the keeper stops the server,
 under FOLDER/start.lock so that no kernel attaches meanwhile. It exits
 with its server.
 """
@@ -25,7 +25,7 @@ import time
 def main(argv):
     """Start the server and watch the kernels' lock until none is left."""
     if len(argv) < 4 or argv[2] != "--":
-        sys.exit("usage: supervisor.py FOLDER IDLE_S -- COMMAND...")
+        sys.exit("usage: server_keeper.py FOLDER IDLE_S -- COMMAND...")
     folder, idle_s, _, *command = argv
     server = subprocess.Popen(command, stdin=subprocess.DEVNULL)
 
@@ -39,7 +39,7 @@ def main(argv):
         os._exit(0)
 
     signal.signal(signal.SIGTERM, stop)
-    # A server that exits on its own (crash, failed start) ends the supervisor too.
+    # A server that exits on its own (crash, failed start) ends the keeper too.
     threading.Thread(target=lambda: (server.wait(), os._exit(0)), daemon=True).start()
     kernels = open(os.path.join(folder, "kernels.lock"), "a")
     while True:

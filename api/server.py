@@ -1,0 +1,129 @@
+"""Serving the routes: cheroot, optionally with TLS, until SIGTERM or Ctrl-C.
+
+Two changes to cheroot's defaults keep one client from holding up others:
+a new connection costs no thread until it sends something
+(`DeferredServer`), and a TLS handshake runs in the request thread rather
+than in cheroot's single accept loop (`DeferredTls`).
+"""
+
+import ipaddress
+import logging
+import os
+import signal
+import sys
+import threading
+
+from cheroot import wsgi
+from cheroot.ssl.builtin import BuiltinSSLAdapter
+
+from api.routes import app, service
+from storage.store import StoreError, StoreHeld, note_holder
+
+# The listen backlog: cheroot's default of 5 drops connections of a burst of clients
+# (each then waits a 1 s SYN retry); let the kernel queue them.
+_BACKLOG = 128
+# Seconds a stop may take before the process leaves anyway (see _stop_within).
+_STOP_S = 10
+
+
+class DeferredServer(wsgi.Server):
+    """cheroot, but a new connection costs no thread until it sends something.
+
+    cheroot hands each accepted connection to a worker thread at once, so
+    `server_threads` idle connections would hold every thread for
+    socket_timeout_s; here it first waits in the selector, as kept-alive
+    connections do, and is closed there once idle for socket_timeout_s.
+    """
+
+    def process_conn(self, conn):
+        """Queue a connection for a thread once it has bytes to read."""
+        if not getattr(conn, "snapk_waited", False):
+            conn.snapk_waited = True
+            self._connections.put(conn)
+            return
+        super().process_conn(conn)
+
+
+class DeferredTls(BuiltinSSLAdapter):
+    """TLS whose handshake runs in a worker thread, on the client's first bytes.
+
+    cheroot's adapter shakes hands in its single accept loop, so one
+    connection that sends nothing stalls every client for socket_timeout_s;
+    here OpenSSL completes the handshake on the worker's first read instead.
+    """
+
+    def wrap(self, sock):
+        """The TLS socket (handshake pending) and the WSGI entries."""
+        tls = self.context.wrap_socket(sock, do_handshake_on_connect=False, server_side=True)
+        return tls, {"wsgi.url_scheme": "https", "HTTPS": "on"}
+
+
+def is_loopback(host):
+    """True for a loopback bind address."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+def serve(host, port, settings, token, no_auth=False):
+    """Open the store, then serve the routes on `host`:`port` until SIGTERM or
+    Ctrl-C, and stop every worker; exits with a message if the store cannot be
+    used."""
+    app.config["token"] = token
+    app.config["no_auth"] = no_auth and not token
+    service.use(settings)
+    try:
+        registry = service.start(f"a server starting (pid {os.getpid()})")
+    except StoreHeld as exc:
+        sys.exit(f"error: {exc}; stop it or choose another --data-dir")
+    except StoreError as exc:
+        sys.exit(f"error: {exc}")
+    if registry.damaged:
+        damaged = registry.damaged
+        # Said once, before serving: while it serves, the server writes nothing on stderr.
+        print(f"warning: {len(damaged)} state(s) left out, their manifests damaged: "
+              f"{'; '.join(map(str, damaged[:3]))}{'; ...' if len(damaged) > 3 else ''}. "
+              f"scripts/check_store.py lists what is damaged", file=sys.stderr, flush=True)
+    scheme = "https" if settings["server.certfile"] else "http"
+    note_holder(service.store_lock, f"a server at {scheme}://{host}:{port} "
+                                    f"(pid {os.getpid()})")
+    server = DeferredServer((host.strip("[]"), port), app,
+                            numthreads=settings["server.server_threads"],
+                            timeout=settings["server.socket_timeout_s"],
+                            request_queue_size=_BACKLOG)
+    if settings["server.certfile"] or settings["server.keyfile"]:
+        server.ssl_adapter = DeferredTls(settings["server.certfile"],
+                                         settings["server.keyfile"])
+
+    def stop(*_):
+        """Leave the serving loop from the main thread (once)."""
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        raise SystemExit(0)
+
+    signal.signal(signal.SIGTERM, stop)
+    try:
+        server.start()
+    except (KeyboardInterrupt, SystemExit):
+        pass
+    finally:
+        # Workers first: a request waiting on one then ends at once.
+        service.close()
+        _stop_within(server, _STOP_S)
+
+
+def _stop_within(server, seconds):
+    """server.stop(), waiting at most `seconds`.
+
+    cheroot's stop joins, without a timeout, a request thread that missed its
+    shutdown request (seen once in about 40 stops), and the process would
+    never exit; the workers are gone by now, so leaving loses nothing.
+    """
+    stopper = threading.Thread(target=server.stop, daemon=True)
+    stopper.start()
+    stopper.join(seconds)
+    if stopper.is_alive():
+        logging.shutdown()
+        os._exit(0)

@@ -1,0 +1,241 @@
+"""The `run` command: run an .ipynb file and write it back executed.
+
+Three ways, one loop: incrementally here (a registry of our own on the
+store, which must be free), incrementally through a server that holds the
+store (`--server`, its POST /notebooks/run streamed), or fresh (`--fresh`:
+no store, a receipt). In each, the work goes on in a thread while this one
+shows each cell's progress as it comes, and a Ctrl-C here interrupts the
+running cell and ends the run.
+"""
+
+import dataclasses
+import os
+import queue
+import sys
+import threading
+import time
+
+from tqdm import tqdm
+
+from kernel.errors import InvalidRequest
+from kernel.protocol import CellStatus, NotebookCell, NotebookRequest, NotebookRun
+
+# Exit statuses of `main.py run`.
+EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT = 0, 1, 2
+PROG = "main.py run"
+
+
+class Refused(Exception):
+    """The command cannot go on: bad input, the store is held (exit status 2)."""
+
+
+def run(args, settings):
+    """Run the notebook as the parsed command line `args` says; the exit status."""
+    from kernel.notebook import ipynb  # nbformat: only for .ipynb files
+    if args.fresh is not None:
+        return _run_fresh(args, settings)
+    try:
+        _, notebook = ipynb.read(args.notebook)
+        request = NotebookRequest(os.path.abspath(args.notebook), ipynb.code_cells(notebook),
+                                  order=args.order, rerun=args.rerun,
+                                  exec_id=f"run-{os.getpid()}-{os.urandom(4).hex()}")
+        progress = Progress(len(request.cells))
+        if args.server:
+            record = _through_server(args, request, progress)
+        else:
+            record = _here(args, settings, request, progress)
+        progress.done(record)
+        ipynb.write(ipynb.executed(notebook, _by_index(record, request)),
+                    args.output or args.notebook)
+    except (Refused, ipynb.NotebookFileError) as exc:
+        print(f"{PROG}: error: {exc}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    except OSError as exc:
+        print(f"{PROG}: error: cannot write the notebook: {exc}", file=sys.stderr)
+        return EXIT_FAILED
+    print(f"wrote {args.output or args.notebook}", file=sys.stderr)
+    succeeded = all(c.status in (CellStatus.RAN, CellStatus.REUSED) for c in record.cells)
+    return EXIT_OK if succeeded else EXIT_FAILED
+
+
+def _by_index(record, request):
+    """The record's cells with the notebook positions of the request's cells."""
+    index = {c.id: c.index for c in request.cells}
+    return [dataclasses.replace(c, index=index[c.id]) for c in record.cells]
+
+
+def _here(args, settings, request, progress):
+    """Run the notebook with a registry in this process, on the store (which must be
+    free); the run's NotebookRun."""
+    from kernel.notebook.incremental import NotebookRunner
+    from kernel.server.registry import Registry
+    from storage.store import StoreError, StoreHeld, claim_store
+    data_dir = settings["server.data_dir"]
+    try:
+        lock = claim_store(data_dir, f"`{PROG} {args.notebook}` (pid {os.getpid()})")
+    except StoreHeld as exc:
+        raise Refused(f"{exc}. Run through it with --server URL (its token in --token or "
+                      f"SNAPSHOT_KERNEL_TOKEN), or stop it first") from None
+    except StoreError as exc:
+        raise Refused(str(exc)) from None
+    try:
+        try:
+            registry = Registry(settings)
+        except StoreError as exc:
+            raise Refused(str(exc)) from None
+        try:
+            runner = NotebookRunner(registry)
+            return drive(lambda on_cell: runner.run(request, on_cell),
+                         lambda: runner.interrupt(request.exec_id), progress)
+        except InvalidRequest as exc:
+            raise Refused(str(exc)) from None
+        finally:
+            registry.close()
+    finally:
+        lock.close()
+
+
+def _through_server(args, request, progress):
+    """Run the notebook through the server at --server (POST /notebooks/run, its
+    cells' progress streamed); the run's NotebookRun."""
+    from api.client import Client, ServerError
+    try:
+        client = Client(args.server, args.token, timeout=60)
+    except ValueError as exc:
+        raise Refused(f"--server: {exc}") from None
+    body = {"notebook": request.notebook, "order": request.order, "rerun": request.rerun,
+            "exec_id": request.exec_id,
+            "cells": [{"id": c.id, "source": c.source, "tags": list(c.tags)}
+                      for c in request.cells]}
+
+    def start(on_cell):
+        """The run's request; its cells' events go to `on_cell`."""
+        for event in client.run_notebook(body):
+            if event["type"] == "cell":
+                on_cell(NotebookCell.from_json(event["cell"]))
+            elif event["type"] == "answer":
+                return NotebookRun.from_json(event["answer"])
+        raise ServerError(f"the server at {args.server} ended the run's answer early",
+                          "ServerUnreachable")
+
+    try:
+        return drive(start, lambda: client.interrupt(request.exec_id), progress)
+    except ServerError as exc:
+        if exc.status is None:
+            raise Refused(f"cannot reach the server at {args.server}: {exc}") from None
+        raise Refused(f"the server answered {exc.status}: {exc}") from None
+
+
+def _run_fresh(args, settings):
+    """`run --fresh`: the run without a server or store; the exit status."""
+    from kernel.notebook import fresh, fresh_file
+    progress = Progress(None)
+    cancel = threading.Event()
+    try:
+        run_, receipt = drive(
+            lambda on_cell: fresh_file.run_file(args.notebook, args.output, args.fresh,
+                                                settings, adopt_orphans=True,
+                                                on_cell=on_cell, cancel=cancel),
+            cancel.set, progress)
+    except fresh.Refused as exc:
+        print(f"{PROG}: error: {exc}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    except OSError as exc:
+        print(f"{PROG}: error: cannot write the receipt {args.fresh.receipt}: "
+              f"{exc.strerror}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    counts = receipt["counts"]
+    progress.note(f"{'passed' if receipt['success'] else 'FAILED ' + receipt['category']}: "
+                  f"{counts['completed']} cell(s) ran, {counts['failed']} failed, "
+                  f"{counts['skipped']} skipped, in {receipt['seconds']:.2f} s. "
+                  f"{receipt['message']}")
+    return fresh_exit_status(run_)
+
+
+def fresh_exit_status(run):
+    """The exit status of a finished fresh run (kernel.notebook.fresh.FreshRun)."""
+    from kernel.notebook.fresh_file import REFUSALS
+    if run.success:
+        return EXIT_OK
+    return EXIT_BAD_INPUT if run.category in REFUSALS else EXIT_FAILED
+
+
+def drive(start, interrupt, progress):
+    """Run `start(on_cell)` in a thread and return what it returns, showing each cell
+    it reports as it comes; a Ctrl-C here calls `interrupt()` (again for each)."""
+    events = queue.Queue()
+
+    def work():
+        """The run, handing its events and its end to this thread."""
+        try:
+            events.put(("done", start(lambda cell: events.put(("cell", cell)))))
+        except BaseException as exc:  # raised again in the caller's thread
+            events.put(("error", exc))
+
+    threading.Thread(target=work, name="run", daemon=True).start()
+    while True:
+        try:
+            kind, value = events.get()
+        except KeyboardInterrupt:
+            progress.note("interrupting the run (the running cell gets KeyboardInterrupt)")
+            interrupt()
+            continue
+        if kind == "cell":
+            progress.cell(value)
+        elif kind == "error":
+            raise value
+        else:
+            return value
+
+
+class Progress:
+    """Progress on stderr: a bar on a terminal, a line per finished cell otherwise."""
+
+    def __init__(self, total):
+        """For a notebook of `total` code cells (None: not known yet)."""
+        self.total = total
+        self.started = time.monotonic()
+        self.bar = tqdm(total=total, unit="cell", file=sys.stderr, dynamic_ncols=True,
+                        leave=False) if sys.stderr.isatty() else None
+
+    def cell(self, cell):
+        """A cell's status changed (a protocol.NotebookCell)."""
+        if cell.status == CellStatus.PENDING:
+            return
+        if cell.status == CellStatus.RUNNING:
+            if self.bar is not None:
+                self.bar.set_postfix_str(f"{cell.id}: running", refresh=True)
+            return
+        line = f"{cell.id}: {cell.status}"
+        if cell.status in (CellStatus.RAN, CellStatus.FAILED):
+            line += f" in {cell.took_s:.2f} s"
+        if cell.status in (CellStatus.FAILED, CellStatus.BLOCKED) and cell.error:
+            line += f" ({cell.error['ename']}: {cell.error['evalue'][:80]})"
+        if self.bar is None:
+            print(line, file=sys.stderr, flush=True)
+            return
+        self.bar.update(1)
+        if cell.status in (CellStatus.FAILED, CellStatus.BLOCKED):
+            self.bar.write(line, file=sys.stderr)
+        self.bar.set_postfix_str(line[:60], refresh=True)
+
+    def note(self, text):
+        """A message between progress lines."""
+        if self.bar is not None:
+            self.bar.write(text, file=sys.stderr)
+        else:
+            print(text, file=sys.stderr, flush=True)
+
+    def done(self, record):
+        """The summary line of an incremental run (a NotebookRun)."""
+        if self.bar is not None:
+            self.bar.close()
+            self.bar = None
+        counts = {}
+        for cell in record.cells:
+            counts[cell.status] = counts.get(cell.status, 0) + 1
+        for d in record.diagnostics:
+            self.note(d["message"])
+        text = ", ".join(f"{n} {status}" for status, n in counts.items())
+        self.note(f"{len(record.cells)} code cells: {text or 'none'} "
+                  f"({time.monotonic() - self.started:.2f} s)")

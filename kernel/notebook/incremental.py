@@ -1,0 +1,474 @@
+"""Incremental notebook runs: the least work that brings every cell up to date.
+
+A run analyses the cells, builds the graph in the requested order, keys
+the cells and plans (planner.py); then takes the cells in the plan's
+sequence. A reused cell costs a look-up. A cell that runs is executed by
+the registry (`Registry.execute`) into a state named `nb-<key>`, and its
+result is stored under its key. It runs in a state composed from its
+inputs' states: the names whose version the best base lacks are taken in
+by a worker when that base has a live holder (`Registry.rebuild`), and
+otherwise the state is put together from manifests alone, no process
+needed (`Registry.add_state`). After the cells, the notebook's final state
+(every name as the last cell giving it left it) is found among the cells'
+states or composed the same way, and stored as a result too, under the
+key of its composition.
+
+The record of a run (protocol.NotebookRun) is kept in memory while the
+run goes on, for GET /notebooks/NAME, and stored when it ends, with the
+results of the cells that ran, in one transaction: a commit flushes to
+disk, and one per cell cost more than the run's other bookkeeping
+together. A run cut short by an error still stores its results; a crash
+of the server loses them (the cells' states stay until gc_states.py), and
+the cells run again.
+"""
+
+import contextlib
+import dataclasses
+import threading
+import time
+import uuid
+
+from kernel.errors import Conflict, InvalidRequest, KernelError, NotebookNotFound
+from kernel.notebook import analysis, graph as graph_mod, keys as keys_mod, planner
+from kernel.protocol import ORDERS, WITH_RESULT, CellStatus, NotebookRun, error, now
+from storage.notebooks import NotebookStore
+from storage.store import StoreError, StoreFull
+
+STATE_PREFIX = "nb-"
+
+
+def validate(request):
+    """Check an incremental run's request; InvalidRequest naming the problem."""
+    if request.order not in ORDERS:
+        raise InvalidRequest(f"unknown order {request.order!r}: use "
+                             f"{' or '.join(repr(o) for o in ORDERS)}")
+    seen = set()
+    for cell in request.cells:
+        if not isinstance(cell.id, str) or not cell.id:
+            raise InvalidRequest(f"cells[{cell.index}] needs an id (a non-empty string)")
+        if not isinstance(cell.source, str):
+            raise InvalidRequest(f"cell {cell.id!r} needs a source (a string)")
+        if cell.id in seen:
+            raise InvalidRequest(f"cell id {cell.id!r} appears more than once")
+        seen.add(cell.id)
+    unknown = [r for r in request.rerun if r not in seen]
+    if unknown:
+        raise InvalidRequest(f"rerun names cell(s) not in the notebook: "
+                             f"{', '.join(repr(u) for u in unknown)}")
+
+
+class _Run:
+    """One notebook run in progress: its record, how to stop it, and what its cells'
+    planning found (the context every step of the run reads)."""
+
+    def __init__(self, request, exec_id):
+        """Track the run `request` asks for."""
+        self.name = request.notebook
+        self.exec_id = exec_id
+        self.record = NotebookRun(request.notebook,
+                                  [dataclasses.replace(c) for c in request.cells],
+                                  order_kind=request.order, exec_id=exec_id)
+        self.sources = [c.source for c in request.cells]
+        self.stop = threading.Event()  # set by an interrupt
+        self.results = {}  # cell key -> result, stored when the run ends
+        self.last_final = []  # see NotebookRunner._last_final
+        # The planning, filled in before the first cell is taken:
+        self.analyses = self.graph = self.keys = self.stored = self.plan = None
+        # position -> (state, provenance, volatile names) of each cell taken so far
+        self.states = {}
+        self.previous = None  # the cell taken last: its state is the next one's first base
+
+
+class NotebookRunner:
+    """Runs notebooks incrementally on a Registry; keeps results and records in its
+    store."""
+
+    def __init__(self, registry, environment=None):
+        """Use `registry` (kernel.server.registry.Registry) and its store."""
+        self.registry = registry
+        self.store = NotebookStore(registry.store)
+        self.environment = environment or keys_mod.Environment()
+        self.lock = threading.Lock()
+        self.active = {}      # notebook name -> _Run
+        self.by_exec = {}     # exec id -> _Run
+        self.analysed = {}    # notebook name -> {source: CellAnalysis} of its last run
+
+    # Queries ---------------------------------------------------------------------
+
+    def names(self):
+        """Every notebook with a record or a run in progress, sorted."""
+        with self.lock:
+            active = set(self.active)
+        return sorted(active | set(self.store.records()))
+
+    def get(self, name):
+        """The record (NotebookRun) of `name`: the run in progress, else the last one."""
+        with self.lock:
+            run = self.active.get(name)
+            if run is not None:
+                return run.record.copy()
+        stored = self.store.record(name)
+        if stored is None:
+            raise NotebookNotFound(f"no notebook named {name!r}")
+        return self._expand(NotebookRun.from_json(stored))
+
+    def delete(self, name):
+        """Forget a notebook's record (results stay: other notebooks may share them)."""
+        with self.lock:
+            if name in self.active:
+                raise Conflict(f"notebook {name!r} is running")
+            self.analysed.pop(name, None)
+        if self.store.record(name) is None:
+            raise NotebookNotFound(f"no notebook named {name!r}")
+        self.store.delete_records([name])
+
+    def clear(self):
+        """Forget every result and record (after the registry's reset)."""
+        with self.lock:
+            self.analysed.clear()
+        self.store.clear()
+
+    def interrupt(self, exec_id):
+        """Stop the run `exec_id` and its running cell; False if no such run."""
+        with self.lock:
+            run = self.by_exec.get(str(exec_id))
+        if run is None:
+            return False
+        # Set first: a cell the registry does not know yet is stopped as it starts
+        # (Registry.execute's `cancel`); one it knows is interrupted here.
+        run.stop.set()
+        self.registry.interrupt(run.exec_id)
+        return True
+
+    # A run -----------------------------------------------------------------------
+
+    def run(self, request, progress=None):
+        """Run `request` (protocol.NotebookRequest); returns the run's NotebookRun.
+
+        `progress(cell)` is called with a copy of a cell (protocol.NotebookCell)
+        whenever its status changes.
+        """
+        validate(request)
+        exec_id = str(request.exec_id) if request.exec_id is not None else \
+            f"notebook-{uuid.uuid4().hex}"
+        run = _Run(request, exec_id)
+        with self.lock:
+            if run.name in self.active:
+                raise Conflict(f"notebook {run.name!r} is already running")
+            if exec_id in self.by_exec:
+                raise Conflict(f"exec_id {exec_id!r} is already running")
+            known = self.analysed.get(run.name, {})
+            self.active[run.name] = self.by_exec[exec_id] = run
+        try:
+            self._plan(run, known, request)
+            run.last_final = self._last_final(run.name)
+            self._cells(run, _Progress(self, run, progress))
+            final = self._final(run)
+            with self.lock:
+                run.record.state_name = final
+                run.record.running = False
+                run.record.finished = now()
+            self.store.put_run(run.results, run.name, run.record.stored_form())
+            run.results = {}
+            return run.record.copy()
+        finally:
+            if run.results:  # a run cut short keeps what its cells made
+                with contextlib.suppress(StoreError):
+                    self.store.put_run(run.results)
+            with self.lock:
+                self.active.pop(run.name, None)
+                self.by_exec.pop(exec_id, None)
+
+    def _plan(self, run, known, request):
+        """Analyse, build the graph, key the cells and plan which run."""
+        run.analyses = [known.get(s) or analysis.analyse(s) for s in run.sources]
+        with self.lock:
+            self.analysed[run.name] = dict(zip(run.sources, run.analyses))
+        ids = [c.id for c in run.record.cells]
+        run.graph = graph_mod.build(ids, run.analyses, request.order)
+        run.keys = planner.cell_keys(run.graph, run.sources, run.analyses, self.environment)
+        run.stored = self._stored(k for k in run.keys.values() if k)
+        run.plan = planner.plan(run.graph, run.keys,
+                                {k: set(r["volatile"]) for k, r in run.stored.items()},
+                                [ids.index(r) for r in request.rerun])
+        with self.lock:
+            run.record.order = [ids[i] for i in run.plan.sequence]
+            run.record.diagnostics = run.graph.diagnostics
+            for i, key in run.keys.items():
+                run.record.cells[i].key = key
+
+    def _stored(self, keys):
+        """{key: result} of the stored results among `keys` whose state still exists."""
+        found = self.store.results(set(keys))
+        return {k: r for k, r in found.items() if self.registry.has_state(r["state"])}
+
+    def _last_final(self, name):
+        """[(state, provenance)] of the state notebook `name`'s last run ended on, when it
+        is live; else [].
+
+        An edit's first cell can run there, as in Jupyter's live kernel, instead
+        of in its input state restored from the store: a run leaves holders only
+        on the states it ends or pauses on (see _cells).
+        """
+        record = self.store.record(name)
+        state = (record or {}).get("state_name") or ""
+        key = state[len(STATE_PREFIX):]
+        if not state.startswith(STATE_PREFIX) or not self.registry.is_live(state):
+            return []
+        result = self.store.results([key]).get(key)
+        if result is None or result["state"] != state:
+            return []
+        return [(state, result["provenance"])]
+
+    def _cells(self, run, done):
+        """Take every cell of the plan, filling in `run.states`."""
+        graph, plan, keys, stored = run.graph, run.plan, run.keys, run.stored
+        # A cell run again for its volatile values is meanwhile as good as its stored
+        # result for its other names.
+        for p in plan.for_volatile:
+            result = stored[keys[p]]
+            run.states[p] = (result["state"], result["provenance"], set(result["volatile"]))
+        failed = set()
+        # A cell whose next one runs too leaves that one its process and no holder: a
+        # holder would cost a fork of everything the notebook holds (10 to 30 ms) on
+        # the way to the next cell, and its copy-on-write faults in that cell.
+        following = dict(zip(plan.sequence, plan.sequence[1:]))
+        for i in plan.sequence:
+            if i in graph.blocked:
+                done(i, status=CellStatus.BLOCKED, error=graph.blocked[i])
+                continue
+            # Notebook order stops at the first failing cell, as Jupyter does.
+            if run.stop.is_set() or (failed and graph.kind == "notebook"):
+                done(i, status=CellStatus.NOT_RUN)
+                continue
+            stuck = sorted(graph.inputs[i] & failed)
+            if stuck:
+                failed.add(i)
+                done(i, status=CellStatus.BLOCKED, error=error(
+                    "Blocked", f"needs cell {graph.ids[stuck[0]]!r}, which did not run"))
+                continue
+            if i not in plan.run:
+                result = stored[keys[i]]
+                run.states[i] = (result["state"], result["provenance"], set(result["volatile"]))
+                run.previous = i
+                done(i, status=CellStatus.REUSED, took_s=0.0, outputs=result["outputs"],
+                     execution_count=result["execution_count"], state_name=result["state"])
+                continue
+            done(i, status=CellStatus.RUNNING)
+            started = time.monotonic()
+            after = following.get(i)
+            answer, failure = self._execute(run, i, keep_live=after not in plan.run or
+                                            after in graph.blocked)
+            took = round(time.monotonic() - started, 6)
+            if failure is not None:
+                failed.add(i)
+                done(i, status=CellStatus.FAILED, took_s=took,
+                     outputs=answer.get("output") or [], error=failure,
+                     execution_count=answer.get("execution_count"))
+                continue
+            state = answer["state_name"]
+            run.states[i] = (state, answer["provenance"], set(answer["volatile_symbols"] or ()))
+            run.previous = i
+            run.results[keys[i]] = _result(
+                keys[i], "cell", state, answer["provenance"], outputs=answer["output"],
+                execution_count=answer["execution_count"],
+                volatile=answer["volatile_symbols"] or [], took_s=took)
+            done(i, status=CellStatus.RAN, took_s=took, outputs=answer["output"],
+                 execution_count=answer["execution_count"], state_name=state)
+
+    def _execute(self, run, i, keep_live=True):
+        """Run cell i in a state composed for it; returns (answer, error or None).
+        `keep_live` False: its state gets no holder (protocol.Execute)."""
+        needs = run.graph.needs[i]
+        required, sourced = planner.required_versions(needs, run.states)
+        volatile = {n for n, p in needs.items() if p is not None and n in run.states[p][2]}
+        temps = []
+        try:
+            try:
+                base, provenance = self._compose(run, required, sourced, volatile, temps,
+                                                 previous=run.previous)
+            except _ComposeFailed as exc:
+                return {}, exc.error
+            if run.stop.is_set():
+                return {}, error("KeyboardInterrupt", "the run was interrupted")
+            answer = self.registry.execute(run.sources[i], run.exec_id, base,
+                                           f"{STATE_PREFIX}{run.keys[i]}",
+                                           keep_live=keep_live, cancel=run.stop).to_json()
+            if answer["error"] is not None:
+                return answer, answer["error"]
+            answer["provenance"] = self._provenance(answer, base, provenance, run.keys[i],
+                                                    run.analyses[i], run.graph.changes[i])
+            return answer, None
+        finally:
+            for temp in temps:
+                self._forget(temp)
+
+    def _provenance(self, answer, base, provenance, key, a, changes):
+        """The provenance of the state a cell made from `base`.
+
+        A name the cell may have changed becomes the cell's own version,
+        unless its stored hash shows the same value as in the base (a cell
+        that only read it): then the base's version stands, and later cells
+        can run from either state.
+        """
+        state = answer["state_name"]
+        names = self.registry.manifest(state)["variables"]
+        changed = set(changes) | set(answer["modified_symbols"]) | set(answer["deleted_symbols"])
+        maybe = [n for n in names if a.dynamic or a.unknown_writes or n in changed]
+        after = self.registry.symbol_hashes(state, maybe)
+        before = self.registry.symbol_hashes(base, [n for n in maybe if n in provenance])
+        made = {}
+        for n in names:
+            same = after.get(n) is not None and after.get(n) == before.get(n)
+            if n in after and not same:
+                made[n] = key
+            else:
+                made[n] = provenance.get(n, planner.UNKNOWN)
+        return made
+
+    def _compose(self, run, required, sourced, volatile, temps, previous=None, exact=False,
+                 name=None):
+        """A state holding the required versions: (state name, its provenance).
+
+        Candidates are the cells' states, the `previous` cell's first (so that
+        execution counts follow the run), the latest next, then the state
+        the last run ended on, `initial` last. States made on the way are
+        added to `temps`, but for the last one when it is given a `name`.
+        """
+        states = run.states
+        candidates, seen = [], set()
+        order = ([previous] if previous is not None else []) + sorted(states, reverse=True)
+        for state, prov, _ in [states[p] for p in order] + [
+                (s, p, ()) for s, p in run.last_final] + [("initial", {}, ())]:
+            if state not in seen:
+                seen.add(state)
+                candidates.append((state, prov))
+        provenance_of = dict(candidates)
+        live = {state for state, _ in candidates if self.registry.is_live(state)}
+        base, takes, drops = planner.compose(
+            required, sourced, candidates, volatile, exact, live,
+            preferred=states[previous][0] if previous is not None else None)
+        provenance = dict(provenance_of[base])
+        for n in drops:
+            provenance.pop(n, None)
+        for source, names in takes:
+            provenance.update({k: provenance_of[source].get(k, planner.UNKNOWN) for k in names})
+        if not takes and not drops:
+            return base, provenance
+        # A base with a live holder has its values loaded: a worker takes the rest into it
+        # for the cell to run there. Otherwise, and for the final state (which nothing
+        # runs from yet), the state is put together from manifests alone.
+        if name is not None or base not in live:
+            made = planner.merged_manifest(
+                name or uuid.uuid4().hex, self.registry.manifest(base),
+                [(self.registry.manifest(source), names) for source, names in takes], drops,
+                auto_named=name is None)
+            if made is not None:
+                try:
+                    self.registry.add_state(made)
+                except StoreFull as exc:
+                    raise _ComposeFailed(error("StoreFull",
+                                               f"composing the input state failed: {exc}"))
+                if name is None:
+                    temps.append(made["name"])
+                return made["name"], provenance
+        steps = takes or [(base, [])]
+        for n, (source, names) in enumerate(steps):
+            keep = set(self.registry.manifest(base)["variables"]) - set(names) - set(drops)
+            last = n == len(steps) - 1
+            try:
+                made = self.registry.rebuild(base, source, names, sorted(keep),
+                                             name if last else None)
+            except (KernelError, StoreFull) as exc:  # a source cannot be loaded, store full
+                raise _ComposeFailed(error(getattr(exc, "etype", "StoreFull"),
+                                           f"composing the input state failed: "
+                                           f"{exc}")) from None
+            base = made["state_name"]
+            if not (last and name):
+                temps.append(base)
+            drops = []
+        return base, provenance
+
+    def _forget(self, state):
+        """Delete a state made only to run a cell from."""
+        try:
+            self.registry.delete(state)
+        except KernelError:  # deleted meanwhile (a reset): nothing to forget
+            pass
+
+    def _final(self, run):
+        """The name of a state with every name as the run left it (composed if needed)."""
+        source_of = {}
+        for i in run.graph.order:
+            if i not in run.states:
+                continue
+            if run.analyses[i].unknown_writes:
+                source_of.update(dict.fromkeys(run.states[i][1], i))
+            source_of.update(dict.fromkeys(run.graph.provides[i], i))
+        if not source_of:
+            return "initial"
+        required, sourced = planner.required_versions(source_of, run.states)
+        required = {n: v for n, v in required.items() if v is not None}
+        key = keys_mod.composition_key({n: run.keys[p] for n, p in source_of.items()
+                                        if n in required})
+        found = self._stored([key])
+        if key in found:
+            return found[key]["state"]
+        temps = []
+        try:
+            state, provenance = self._compose(run, required, sourced, (), temps, exact=True,
+                                              name=f"{STATE_PREFIX}{key}")
+        except _ComposeFailed:
+            return None
+        finally:
+            for temp in temps:
+                self._forget(temp)
+        if state != f"{STATE_PREFIX}{key}":
+            return state  # a cell's state holds the notebook's final names as they are
+        run.results[key] = _result(key, "composition", state, provenance)
+        return state
+
+    def _expand(self, record):
+        """A stored record with the outputs of its cells' results filled in."""
+        results = self.store.results([c.key for c in record.cells if c.status in WITH_RESULT])
+        for cell in record.cells:
+            if cell.status in WITH_RESULT and not cell.outputs:
+                cell.outputs = results.get(cell.key, {}).get("outputs", [])
+        return record
+
+
+def _result(key, kind, state, provenance, outputs=(), execution_count=None, volatile=(),
+            took_s=None):
+    """A stored result: what a cell with key `key` (or a composition) gave."""
+    return {"key": key, "kind": kind, "state": state, "outputs": list(outputs),
+            "execution_count": execution_count, "volatile": list(volatile),
+            "provenance": provenance, "took_s": took_s, "created": now()}
+
+
+class _ComposeFailed(Exception):
+    """The input state of a cell could not be composed; `error` says why."""
+
+    def __init__(self, failure):
+        """Keep the error dict."""
+        super().__init__(failure["evalue"])
+        self.error = failure
+
+
+class _Progress:
+    """Updates a run's record cell by cell, and tells the caller."""
+
+    def __init__(self, runner, run, callback):
+        """Report for `run` to `callback` (or nobody)."""
+        self.runner = runner
+        self.run = run
+        self.callback = callback
+
+    def __call__(self, i, **fields):
+        """Cell i's entry changed."""
+        with self.runner.lock:
+            cell = self.run.record.cells[i]
+            for name, value in fields.items():
+                setattr(cell, name, value)
+            snapshot = dataclasses.replace(cell)
+        if self.callback is not None:
+            self.callback(snapshot)
