@@ -34,8 +34,7 @@ import tempfile
 import threading
 import time
 
-from harness import ROOT, Server, ServerError
-from kernel.proctable import alive
+from harness import ROOT, Server, ServerError, alive
 
 SIZES = (10, 1000, 200_000)  # floats per state: a few bytes to 1.6 MB (a slower write)
 

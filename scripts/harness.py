@@ -14,12 +14,14 @@ import subprocess
 import sys
 import time
 
+import psutil
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
 from api.client import Client, ServerError  # noqa: E402
-from kernel.proctable import descendants  # noqa: E402
+
 TOKEN = "test-token"
 
 
@@ -127,6 +129,22 @@ class Server(ServerProcess):
             argv += ["--config", path]
         super().__init__(argv, port, log_path or self.data_dir + "-server.log", token=token,
                          **kw)
+
+
+def descendants(pid):
+    """Pids of every process below `pid` ([] once it is gone)."""
+    try:
+        return [p.pid for p in psutil.Process(pid).children(recursive=True)]
+    except psutil.Error:
+        return []
+
+
+def alive(pid):
+    """True if process `pid` exists and is not a zombie (which only waits to be reaped)."""
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
 
 
 def machine():

@@ -36,11 +36,10 @@ import tempfile
 import threading
 import time
 
-from harness import ROOT, Server, ServerError, machine, revision
+from harness import ROOT, Server, ServerError, alive, machine, revision
 
 sys.path.insert(0, ROOT)
 from kernel import config  # noqa: E402
-from kernel.proctable import alive  # noqa: E402
 
 
 def percentile(values, q):

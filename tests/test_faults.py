@@ -13,8 +13,8 @@ import time
 import psutil
 import pytest
 
+import harness
 from conftest import ROOT, Server
-from kernel import proctable
 
 LIMITS = """
 [limits]
@@ -58,7 +58,7 @@ def gone(pids, timeout=60):
     """True once no process of `pids` is alive (zombies count as gone)."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        alive = [p for p in pids if proctable.alive(p)]
+        alive = [p for p in pids if harness.alive(p)]
         if not alive:
             return True
         time.sleep(0.1)

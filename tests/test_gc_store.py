@@ -241,7 +241,8 @@ def test_refuses_while_a_server_runs(store_copy, make_server):
     srv = make_server(data_dir)
     result = gc(data_dir, "--match", "*", "--compact")
     assert result.returncode == 2
-    assert "server is running" in result.stderr and "Traceback" not in result.stderr
+    # The refusal names who holds the store.
+    assert f"a server at {srv.url}" in result.stderr and "Traceback" not in result.stderr
     srv.stop()
     assert contents(data_dir) == (before, blobs)
 

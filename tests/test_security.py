@@ -11,7 +11,7 @@ import psutil
 import pytest
 import requests
 
-import main
+from api import routes
 from conftest import ROOT, Server, free_port
 
 SECRET = "s3cret-token-that-must-never-be-logged"
@@ -42,7 +42,7 @@ def test_every_route_but_health_needs_the_token(server):
 
 
 def test_token_is_compared_in_constant_time():
-    source = inspect.getsource(main._token_ok)
+    source = inspect.getsource(routes._token_ok)
     assert "hmac.compare_digest" in source
     assert "== expected" not in source and "expected ==" not in source
 

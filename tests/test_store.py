@@ -201,7 +201,8 @@ def test_refuses_foreign_store_and_second_server(make_server, tmp_path):
                              "--token", "t", "--data-dir", str(data)], cwd=ROOT,
                             capture_output=True, text=True, timeout=60)
     assert second.returncode != 0
-    assert "another server" in second.stderr and "Traceback" not in second.stderr
+    assert f"a server at {srv.url} (pid {srv.proc.pid}) is using the store" in second.stderr
+    assert "Traceback" not in second.stderr
     srv.stop()
     env = lmdb.open(str(data), max_dbs=4)
     meta = env.open_db(b"meta")

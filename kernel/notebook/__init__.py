@@ -1,13 +1,18 @@
-"""Notebook runs: the least work that brings every cell of a notebook up to date.
+"""Notebook runs, on the one model of kernel/protocol.py (NotebookRequest,
+NotebookCell, NotebookRun).
 
+Incremental runs, the least work that brings every cell up to date:
 analysis (what a cell defines and reads, from its parse), graph (the two
 orders and their static errors), keys (a cell's key), planner (what runs,
-what is reused), runner (drives a run through the kernel), ipynb (.ipynb
-files in and out).
+what is reused), incremental (drives a run through the registry).
 
 Fresh, receipted runs of whole notebooks (`fresh`: true, `run --fresh`):
-fresh (the run), fresh_file and files (files and promotion), fresh_request
-(over HTTP), environment (the explicit environment), processes, receipt.
+fresh (the run, and one asked for over HTTP), fresh_file (a file's run:
+its checks, promotion, receipt), environment (the explicit environment),
+processes, receipt.
+
+Both: ipynb (.ipynb files in and out), files (atomic writes), command
+(the `run` command).
 """
 
 import sys

@@ -4,40 +4,47 @@ A fresh run's processes all descend from its zygote, which is a child
 subreaper (kernel/worker/zygote.py): a process a cell double-forks away
 (`sleep 1000 &`, a daemon) is reparented to the zygote, not to init, so it
 stays among the zygote's descendants. `Tracker` looks at that tree every
-poll and remembers every process it saw, by pid and start time (a pid
-alone may be reused by an unrelated process after ours ended). Linux only:
-everything is read from /proc.
+poll and remembers every process it saw (psutil tells one from a later
+process that got its pid, by start time).
 """
 
 import os
 import signal
 import time
 
-from kernel.proctable import descendants, table
+import psutil
 
 # Seconds between two passes of `Tracker.kill_all` while processes remain.
 _KILL_PASS_S = 0.01
 
 
-def memory_bytes(pid):
-    """Proportional resident memory (Pss) of a process in bytes; its RSS where Pss
-    cannot be read; 0 once it is gone.
+def memory_bytes(process):
+    """Proportional resident memory (Pss) of a psutil.Process in bytes; its RSS where
+    Pss cannot be read; 0 once it is gone.
 
     Pss shares each page among the processes that map it, so summing it over
     a holder and the cell child forked from it counts their common pages once.
     """
     try:
-        with open(f"/proc/{pid}/smaps_rollup") as f:
-            for line in f:
-                if line.startswith("Pss:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    try:
-        with open(f"/proc/{pid}/statm") as f:
-            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    except (OSError, ValueError, IndexError):
+        try:
+            return process.memory_full_info().pss
+        except psutil.AccessDenied:
+            return process.memory_info().rss
+    except psutil.Error:
         return 0
+
+
+def _living(processes):
+    """The processes of `processes` that are neither gone nor zombies (a zombie only
+    waits to be reaped)."""
+    found = []
+    for process in processes:
+        try:
+            if process.status() != psutil.STATUS_ZOMBIE:
+                found.append(process)
+        except psutil.Error:
+            pass
+    return found
 
 
 class Tracker:
@@ -46,36 +53,44 @@ class Tracker:
     def __init__(self, root):
         """Watch the tree below process `root` (and `root` itself)."""
         self.root = root
-        self.seen = {}  # pid -> start time, of every process observed in the tree
+        # pid -> psutil.Process of every process observed in the tree; psutil tells a
+        # process from a later one that got its pid by its start time.
+        self.seen = {}
         self.peak_bytes = 0
+
+    def _below(self):
+        """The processes below the root now."""
+        try:
+            return psutil.Process(self.root).children(recursive=True)
+        except psutil.Error:
+            return []
 
     def sample(self):
         """Look at the tree now: remember its processes; returns their summed memory."""
-        procs = table()
-        tree = [self.root] + descendants(self.root, procs)
+        try:
+            tree = [psutil.Process(self.root)] + self._below()
+        except psutil.Error:
+            tree = self._below()
         total = 0
-        for pid in tree:
-            info = procs.get(pid)
-            if info is None or info.state == "Z":
-                continue
-            self.seen.setdefault(pid, info.start)
-            total += memory_bytes(pid)
+        for process in _living(tree):
+            self.seen.setdefault(process.pid, process)
+            total += memory_bytes(process)
         self.peak_bytes = max(self.peak_bytes, total)
         return total
 
-    def alive(self, procs=None):
-        """Pids of observed processes still running (zombies are dead: they only wait to
-        be reaped), besides everything below the root now."""
-        procs = table() if procs is None else procs
-        pids = set(descendants(self.root, procs))
-        pids |= {pid for pid, start in self.seen.items()
-                 if pid in procs and procs[pid].start == start}
-        pids.discard(self.root)
-        return {pid for pid in pids if pid in procs and procs[pid].state != "Z"}
+    def alive(self):
+        """The observed processes still running, besides everything below the root now
+        ({pid: psutil.Process})."""
+        found = {p.pid: p for p in self._below()}
+        for pid, process in self.seen.items():
+            if pid not in found and process.is_running():  # the same process, not a reuse
+                found[pid] = process
+        found.pop(self.root, None)
+        return {p.pid: p for p in _living(found.values())}
 
     def kill_all(self, deadline):
         """SIGKILL every process of the tree but the root, and every observed one, until
-        none is left (or until `deadline`, a time.monotonic()); returns those left.
+        none is left (or until `deadline`, a time.monotonic()); returns the pids left.
         The root may be this very process (a subreaper): it then reaps them itself.
 
         Each pass stops them all first (SIGSTOP), so none can fork a replacement
@@ -88,18 +103,16 @@ class Tracker:
         while True:
             if self.root == os.getpid():
                 _reap_children()
-            procs = table()
-            pids = self.alive(procs)
-            for pid in pids:
-                self.seen.setdefault(pid, procs[pid].start)
-            if not descendants(self.root, procs) and not pids or \
-                    time.monotonic() > deadline:
-                return pids
+            left = self.alive()
+            for pid, process in left.items():
+                self.seen.setdefault(pid, process)
+            if not left and not self._below() or time.monotonic() > deadline:
+                return set(left)
             for sig in (signal.SIGSTOP, signal.SIGKILL):
-                for pid in pids:
+                for process in left.values():
                     try:
-                        os.kill(pid, sig)
-                    except (ProcessLookupError, PermissionError):
+                        process.send_signal(sig)
+                    except psutil.Error:
                         pass
             time.sleep(_KILL_PASS_S)
 

@@ -13,7 +13,9 @@ import signal
 import threading
 import time
 
-from kernel import proctable, protocol, trace
+import psutil
+
+from kernel import protocol, trace
 from kernel.errors import Conflict
 from kernel.server.pool import WorkerError
 
@@ -180,16 +182,17 @@ class CellRuns:
 def private_bytes(pid):
     """Private resident memory of a process in bytes (its own pages; 0 if gone)."""
     try:
-        with open(f"/proc/{pid}/smaps_rollup") as f:
-            total = 0
-            for line in f:
-                if line.startswith(("Private_Clean:", "Private_Dirty:")):
-                    total += int(line.split()[1]) * 1024
-            return total
-    except (OSError, ValueError, IndexError):
+        return psutil.Process(pid).memory_full_info().uss
+    except psutil.Error:
         return 0
 
 
 def group_processes(pgid):
     """How many processes are in process group `pgid`."""
-    return sum(1 for info in proctable.table().values() if info.pgrp == pgid)
+    count = 0
+    for pid in psutil.pids():
+        try:
+            count += os.getpgid(pid) == pgid
+        except OSError:  # gone meanwhile
+            pass
+    return count
