@@ -1,10 +1,14 @@
 """`python main.py run NB.ipynb`: the command, on a real store, with and without a server."""
 
+import json
 import os
+import signal
 import subprocess
 import sys
+import time
 
 import nbformat
+import pytest
 
 from conftest import ROOT, TOKEN
 
@@ -112,3 +116,51 @@ def test_a_server_holding_the_store_is_named_and_can_be_gone_through(make_server
     assert name in srv.get("/notebooks").json()["notebooks"]
     wrong = run_cli(src, "--server", srv.url, "--token", "wrong")
     assert wrong.returncode == 2 and "401" in wrong.stderr
+
+
+def wait_for_file(path, proc, timeout=120):
+    """Wait until `path` exists (a cell made it); fail if `proc` ended first."""
+    deadline = time.monotonic() + timeout
+    while not os.path.exists(path):
+        assert proc.poll() is None, proc.communicate()
+        assert time.monotonic() < deadline, f"{path} never appeared"
+        time.sleep(0.05)
+
+
+@pytest.mark.parametrize("how", ["here", "server", "fresh"])
+def test_ctrl_c_interrupts_the_running_cell_and_ends_the_run(make_server, tmp_path, how):
+    started = tmp_path / "started"
+    src = notebook(tmp_path / "nb.ipynb", "x = 1",
+                   f"import time\nopen({str(started)!r}, 'w').close()\ntime.sleep(600)",
+                   "y = x + 1")
+    args = {"here": ["--data-dir", tmp_path / "store"],
+            "fresh": ["--fresh", "-o", tmp_path / "out.ipynb", "--receipt", tmp_path / "r.json"],
+            "server": []}[how]
+    if how == "server":
+        srv = make_server(tmp_path / "served")
+        args = ["--server", srv.url, "--token", TOKEN]
+    proc = subprocess.Popen([sys.executable, "main.py", "run", str(src), *map(str, args)],
+                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            stdin=subprocess.DEVNULL, text=True)
+    try:
+        wait_for_file(started, proc)
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 1, err
+    assert "Traceback" not in err and "interrupting the run" in err, err
+    if how == "fresh":
+        receipt = json.loads((tmp_path / "r.json").read_text())
+        assert receipt["category"] == "CELL_ERROR" and not receipt["output"]["written"]
+        assert [c["status"] for c in receipt["cells"]] == ["ran", "failed", "not_run"]
+        assert receipt["cells"][1]["ename"] == "KeyboardInterrupt"
+        assert receipt["cleanup"]["status"] == "ok"
+        return
+    assert "c1: failed" in err and "KeyboardInterrupt" in err and "c2: not_run" in err, err
+    cells = code_cells(src)
+    assert cells[0].execution_count == 1 and text(cells[0]) == ""
+    assert [o.ename for o in cells[1].outputs if o.output_type == "error"] == [
+        "KeyboardInterrupt"]
+    assert cells[2].execution_count is None

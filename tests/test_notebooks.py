@@ -6,6 +6,7 @@ sources with its own comment to start from a store that never saw them.
 """
 
 import itertools
+import json
 import threading
 import time
 
@@ -434,3 +435,25 @@ def test_cells_of_another_notebook_are_reused(server):
     nb = cells("shared", "import os\npid = os.getpid()", "print(pid > 0)")
     run(server, "shared-a", nb)
     assert set(statuses(run(server, "shared-b", nb)).values()) == {"reused"}
+
+
+def test_a_streamed_run_reports_each_cell_as_its_status_changes(server):
+    nb = cells("streamed", "x = 1", "print(x + 1)", "1 / 0", "y = 2")
+    r = server.post("/notebooks/run", {"notebook": "streamed", "cells": nb, "stream": True},
+                    stream=True)
+    assert r.status_code == 200 and r.headers["Content-Type"] == "application/x-ndjson"
+    lines = [json.loads(line) for line in r.iter_lines() if line]
+    seen = [(line["cell"]["id"], line["cell"]["status"]) for line in lines[:-1]]
+    assert all(line["type"] == "cell" for line in lines[:-1]) and lines[-1]["type"] == "answer"
+    # Each cell is reported running, then with how it ended; the run stops at c2.
+    assert seen == [("c0", "running"), ("c0", "ran"), ("c1", "running"), ("c1", "ran"),
+                    ("c2", "running"), ("c2", "failed"), ("c3", "not_run")]
+    printed = [line["cell"] for line in lines if line.get("cell", {}).get("status") == "ran"]
+    assert printed[1]["outputs"][0]["text"] == "2\n"
+    answer = lines[-1]["answer"]
+    assert statuses(answer) == {"c0": "ran", "c1": "ran", "c2": "failed", "c3": "not_run"}
+    assert answer == server.get("/notebooks/streamed").json()
+    # A bad request is refused as a whole, before any line.
+    refused = server.post("/notebooks/run", {"notebook": "streamed", "stream": True,
+                                             "cells": nb, "rerun": ["nope"]})
+    assert refused.status_code == 400 and "'nope'" in refused.json()["error"]["message"]
