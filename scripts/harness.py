@@ -42,8 +42,9 @@ class ServerProcess:
     """
 
     def __init__(self, argv, port, log_path, cwd=ROOT, token=TOKEN, wait=True, poll_s=0.05,
-                 timeout=60):
-        """Start `argv`; with `wait`, return once it answers HTTP."""
+                 timeout=60, env=None):
+        """Start `argv` (in environment `env`, default this one's); with `wait`, return
+        once it answers HTTP."""
         self.port = port
         self.url = f"http://127.0.0.1:{port}"
         self.token = token
@@ -52,7 +53,7 @@ class ServerProcess:
         self.log = open(log_path, "ab")
         self.started = time.perf_counter()
         self.proc = subprocess.Popen(argv, cwd=cwd, stdout=self.log, stderr=self.log,
-                                     stdin=subprocess.DEVNULL)
+                                     stdin=subprocess.DEVNULL, env=env)
         self.up_s = None
         if wait:
             try:

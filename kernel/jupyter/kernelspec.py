@@ -46,7 +46,7 @@ def spec(name, config_file=None):
 
 def parse_args(argv):
     """The command line of install-kernelspec."""
-    p = argparse.ArgumentParser(prog="snapshot-kernel install-kernelspec",
+    p = argparse.ArgumentParser(prog="main.py install-kernelspec",
                                 description="Install the Jupyter kernelspec of the snapshot "
                                             "kernel (display name \"Python (snapshot)\")")
     where = p.add_mutually_exclusive_group()
