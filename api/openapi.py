@@ -10,6 +10,7 @@ tells nothing secret, but "only /health is open" is a rule easy to check.
 import copy
 import dataclasses
 
+from kernel import __version__
 from kernel.protocol import CELL_FIELDS, ORDERS, CellStatus, ExecuteAnswer, NotebookRun
 from kernel.server.registry import MAX_NAME_BYTES
 
@@ -177,7 +178,7 @@ def _name_param():
                             "drop dot segments); a slash, plain or as %2F, is part of it"}]
 
 
-def document(version="0.3.0"):
+def document(version=__version__):
     """The OpenAPI 3.0 document of every route (a new dict on each call)."""
     body_errors = (400, 401, 413)
     paths = {

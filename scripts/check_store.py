@@ -1,7 +1,8 @@
 """Verify a snapshot-kernel store: every manifest's blobs exist and are intact.
 
-Run from the repository root (a server may keep running meanwhile: the
-store is opened read-only, and LMDB lets readers work beside the writer):
+Run from a checkout with the package installed (`pip install -e .`; a server
+may keep running meanwhile: the store is opened read-only, and LMDB lets
+readers work beside the writer):
 
     python scripts/check_store.py [--data-dir DIR]
     python scripts/check_store.py --remote [--config FILE]
@@ -26,22 +27,16 @@ state, group members, blob key, problem) or the store cannot be opened
 (a truncated file among them), 2 bad arguments or no store at that path.
 """
 
+import argparse
+import hashlib
 import os
 import sys
 
-# Run as `python scripts/check_store.py`: make `storage` and `kernel` importable.
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if ROOT not in sys.path:
-    sys.path.insert(0, ROOT)
+import lmdb
 
-import argparse  # noqa: E402
-import hashlib  # noqa: E402
-
-import lmdb  # noqa: E402
-
-from kernel import config as config_mod  # noqa: E402
-from storage.remote import RemoteStore  # noqa: E402
-from storage.store import Store, StoreCorrupt, StoreError, decode_manifest  # noqa: E402
+from kernel import config as config_mod
+from storage.remote import RemoteStore
+from storage.store import Store, StoreCorrupt, StoreError, decode_manifest
 
 DATA_FILE = "data.mdb"
 _LISTED = 20  # unreferenced blobs listed by key; the rest are only counted

@@ -1,6 +1,6 @@
 """Load: concurrent clients executing from shared and private states, with interrupts and deletes.
 
-Run from the repository root:
+Run from a checkout with the package installed (`pip install -e .`):
 
     python scripts/load.py [--clients 8] [--per-client 100] [--seed 1]
                            [--write-benchmarks BENCHMARKS.md]
@@ -36,10 +36,8 @@ import tempfile
 import threading
 import time
 
-from harness import ROOT, Server, ServerError, alive, machine, revision
-
-sys.path.insert(0, ROOT)
-from kernel import config  # noqa: E402
+from harness import Server, ServerError, alive, machine, revision
+from kernel import config
 
 
 def percentile(values, q):

@@ -6,18 +6,14 @@ scripts share; this module adds an HTTP client made for assertions.
 
 import itertools
 import os
-import signal
 import subprocess
 import sys
-import time
 
 import pytest
 import requests
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-                                "scripts"))
-import harness  # noqa: E402
-from harness import ROOT, TOKEN, free_port  # noqa: E402,F401 (the tests import them here)
+import harness  # scripts/harness.py: pyproject's pytest `pythonpath` puts scripts/ on sys.path
+from harness import ROOT, S3, TOKEN, free_port  # noqa: F401 (the tests import them here)
 
 _ids = itertools.count()
 
@@ -96,68 +92,6 @@ def make_server(tmp_path):
     yield make
     for srv in started:
         srv.stop()
-
-
-class S3:
-    """moto's S3 server (tests/s3_server.py) on a loopback port, for the remote store."""
-
-    def __init__(self, log_path):
-        """Start it and wait until it answers."""
-        import boto3
-        self.port = free_port()
-        self.endpoint = f"http://127.0.0.1:{self.port}"
-        self.log_path = str(log_path)
-        self.log = open(self.log_path, "ab")
-        self.proc = subprocess.Popen([sys.executable, "tests/s3_server.py", str(self.port)],
-                                     cwd=ROOT, stdout=self.log, stderr=self.log,
-                                     stdin=subprocess.DEVNULL)
-        self.client = boto3.client("s3", endpoint_url=self.endpoint, region_name="us-east-1")
-        deadline = time.monotonic() + 30
-        while True:
-            try:
-                self.client.list_buckets()
-                return
-            except Exception:
-                if time.monotonic() > deadline or self.proc.poll() is not None:
-                    raise RuntimeError("moto's S3 server did not come up")
-                time.sleep(0.05)
-
-    def bucket(self):
-        """A new empty bucket's name."""
-        name = f"bucket-{next(_ids)}"
-        self.client.create_bucket(Bucket=name)
-        return name
-
-    def config(self, bucket, durability="sync", extra=""):
-        """A config.toml for a server on s3://BUCKET/states, quick to notice a dead remote."""
-        return (f'[store]\nremote = "s3://{bucket}/states"\n'
-                f'remote_endpoint = "{self.endpoint}"\ndurability = "{durability}"\n'
-                f"remote_refresh_s = 0.0\nremote_timeout_s = 1.0\nremote_attempts = 1\n"
-                f"remote_retry_s = 0.2\n{extra}")
-
-    def objects(self, bucket, under):
-        """{key below `under`: object listing entry} of a bucket."""
-        found = {}
-        for page in self.client.get_paginator("list_objects_v2").paginate(
-                Bucket=bucket, Prefix=f"states/{under}/"):
-            for item in page.get("Contents", []):
-                found[item["Key"].rsplit("/", 1)[1]] = item
-        return found
-
-    def pause(self):
-        """Stop answering (SIGSTOP): requests hang until they time out."""
-        self.proc.send_signal(signal.SIGSTOP)
-
-    def resume(self):
-        """Answer again (SIGCONT)."""
-        self.proc.send_signal(signal.SIGCONT)
-
-    def stop(self):
-        """Kill the server."""
-        self.resume()
-        self.proc.kill()
-        self.proc.wait()
-        self.log.close()
 
 
 @pytest.fixture(scope="module")

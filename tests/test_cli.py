@@ -116,3 +116,43 @@ def test_bottle_command_line_form(tmp_path):
         stop(proc)
     _, alive = psutil.wait_procs(workers, timeout=10)
     assert not alive
+
+
+def test_default_store_is_in_the_users_data_folder(tmp_path):
+    """Without --data-dir or a configured data_dir the store is
+    $XDG_DATA_HOME/snapshot-kernel/store, whatever the working directory."""
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    proc = start(["main.py", "--bind", f"127.0.0.1:{port}", "--token", "t"],
+                 {"XDG_DATA_HOME": str(tmp_path / "xdg")})
+    try:
+        wait_health(url, proc)
+        r = requests.post(url + "/execute", params={"token": "t"}, timeout=60,
+                          json={"code": "x = 1", "exec_id": "d", "state_name": "initial"})
+        assert r.json()["error"] is None
+    finally:
+        stop(proc)
+    assert (tmp_path / "xdg" / "snapshot-kernel" / "store" / "data.mdb").exists()
+
+
+def test_relative_paths_of_a_config_file_are_relative_to_its_folder(tmp_path):
+    """data_dir and log_file given relative in --config land beside that file, not in
+    the server's working directory (the checkout here)."""
+    folder = tmp_path / "conf"
+    folder.mkdir()
+    config = folder / "server.toml"
+    config.write_text('[server]\ndata_dir = "my-store"\nlog_file = "logs.txt"\n')
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    proc = start(["main.py", "--bind", f"127.0.0.1:{port}", "--token", "t",
+                  "--config", str(config)])
+    try:
+        wait_health(url, proc)
+        r = requests.post(url + "/execute", params={"token": "t"}, timeout=60,
+                          json={"code": "y = 2", "exec_id": "r", "state_name": "initial"})
+        assert r.json()["error"] is None
+    finally:
+        stop(proc)
+    assert (folder / "my-store" / "data.mdb").exists()
+    assert (folder / "logs.txt").exists()
+    assert not os.path.exists(os.path.join(ROOT, "my-store"))

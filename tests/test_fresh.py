@@ -21,6 +21,7 @@ import pytest
 
 from conftest import ROOT
 
+from kernel import __version__
 from kernel.notebook import receipt as receipt_mod
 
 OK = "assert 2 + 2 == 4"
@@ -121,6 +122,7 @@ def test_success_writes_the_executed_notebook_and_a_receipt(tmp_path):
     assert kernel["distributions"] > 10
     assert r["output_bytes"] > 0 and r["limits"]["max_output_bytes"] == 10485760
     assert r["scope"]["network_isolation"] == "UNAVAILABLE"
+    assert r["package"] == {"name": "snapshot-kernel-server", "version": __version__}
     # The zygote and the process that ran the cells live until the cleanup, so a poll
     # sees them; holders come and go between polls (a run this short may see none).
     assert r["cleanup"]["processes_observed"] >= 2

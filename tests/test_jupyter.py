@@ -20,6 +20,7 @@ import pytest
 import requests
 
 from conftest import ROOT, free_port
+from kernel import __version__
 from test_fidelity import NOTEBOOKS, compare_notebook, run_in_jupyter, run_on_server
 
 pytest.importorskip("ipykernel")
@@ -142,7 +143,9 @@ def test_install_kernelspec(data_dir):
     spec = json.loads((data_dir / "kernels" / SPEC / "kernel.json").read_text())
     assert spec["display_name"] == f"Python (snapshot: {SPEC})"
     assert spec["interrupt_mode"] == "message" and spec["language"] == "python"
-    assert spec["argv"][0] == sys.executable and ROOT in spec["argv"]
+    # -P: Jupyter starts kernels in the notebook's folder, whose own kernel/ must not be
+    # imported; the package is installed (editable), so no path to the checkout either.
+    assert spec["argv"][:2] == [sys.executable, "-P"] and ROOT not in spec["argv"]
     bad = subprocess.run([sys.executable, "main.py", "install-kernelspec", "--user",
                           "--name", "no spaces"], cwd=ROOT, capture_output=True, text=True)
     assert bad.returncode == 2 and "kernelspec name" in bad.stderr
@@ -156,6 +159,7 @@ def test_kernel_info_and_cells(kernel):
     info = kernel.client.kernel_info(reply=True)["content"]
     assert info["language_info"]["name"] == "python"
     assert info["language_info"]["version"].startswith(f"{sys.version_info[0]}.")
+    assert info["implementation_version"] == __version__  # the package's one version
     assert "%undo" in info["banner"]
     content, outputs = kernel.run("x = 6 * 7\nprint('x is', x)\nx")
     assert content["status"] == "ok"

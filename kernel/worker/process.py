@@ -10,9 +10,8 @@ import os
 import signal
 import types
 
-from kernel import protocol, trace
+from kernel import launch, protocol, trace
 from kernel.channel import Channel
-from kernel.config import ROOT
 from storage import snapshot
 from storage.cache import open_store
 
@@ -32,10 +31,9 @@ def prctl(option, value):
 
 def worker_env(base):
     """The environment a zygote is spawned with: `base`, a fixed hash seed (stable
-    pickles and hashes), the Agg backend, and this repository first on PYTHONPATH."""
-    env = dict(base, PYTHONHASHSEED="0", MPLBACKEND="Agg")
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [ROOT, env.get("PYTHONPATH")]))
-    return env
+    pickles and hashes), the Agg backend, and the folder of our packages on
+    PYTHONPATH if it needs it to find them (kernel/launch.py)."""
+    return launch.env(dict(base, PYTHONHASHSEED="0", MPLBACKEND="Agg"))
 
 
 def core_free():
