@@ -38,6 +38,10 @@ _EXEC_ID = {"description": "Identifies the execution for /interrupt and 409 on r
             "oneOf": [{"type": "string"}, {"type": "integer"}]}
 
 _NAMES = {"type": "array", "items": {"type": "string"}}
+_CWD = {"type": "string", "nullable": True,
+        "description": "The notebook's folder (an absolute path on the server): the cell "
+                       "runs there, with the folder first on sys.path, unless an earlier "
+                       "cell of the state chose another; the states made from it keep it"}
 
 _CELL_ERROR = {
     "type": "object", "nullable": True,
@@ -188,7 +192,7 @@ def document(version=__version__):
                                   "exec_id": _EXEC_ID,
                                   "state_name": _STATE_NAME,
                                   "new_state_name": dict(_STATE_NAME, nullable=True),
-                                  "stream": _STREAM},
+                                  "stream": _STREAM, "cwd": _CWD},
                                  ["exec_id", "state_name"]),
             "responses": _answer(_EXECUTE_ANSWER, "The cell's outputs and the new state's "
                                  "name; a missing input state is error StateNotFound",
@@ -224,7 +228,19 @@ def document(version=__version__):
                     "parent": {"type": "string", "nullable": True},
                     "execution_count": {"type": "integer"},
                     "volatile_symbols": _NAMES, "live": {"type": "boolean"},
-                    "python": {"type": "string"}}}, "The state", (400, 401, 404))},
+                    "python": {"type": "string"},
+                    "cwd": {"type": "string", "description": "The folder its cells run in"},
+                    "context": dict(_NAMES, description="What the state keeps besides its "
+                                    "names (the random generators, library settings, "
+                                    "the environment...: README, \"What a state holds\")"),
+                    "local_modules": {"type": "object", "description": "Modules its cells "
+                                      "imported from files of their own", 
+                                      "additionalProperties": {
+                                          "type": "object",
+                                          "properties": {"path": {"type": "string"},
+                                                         "sha256": {"type": "string"},
+                                                         "changed": {"type": "boolean"}}}}}},
+                    "The state", (400, 401, 404))},
             "delete": {
                 "summary": "Delete a state (`initial` cannot be deleted: 409)",
                 "parameters": _name_param(),
@@ -304,9 +320,9 @@ def document(version=__version__):
                 "env": dict(_NAMES, nullable=True,
                             description="Variables of the server's environment passed to the "
                                         "run (must be set; no secrets)"),
-                "cwd": {"type": "string", "nullable": True,
-                        "description": "Absolute working directory (default: a temporary "
-                                       "folder)"},
+                "cwd": dict(_CWD, description="The notebook's folder, absolute: the cells run "
+                                              "there (a fresh run's default: a temporary "
+                                              "folder)"),
                 "expected_environment": {
                     "type": "string", "nullable": True, "pattern": "^[0-9a-f]{64}$",
                     "description": "Refuse to run unless the kernel's environment SHA-256 "

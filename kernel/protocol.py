@@ -65,7 +65,9 @@ class Execute(NamedTuple):
     `keep_live` False: the new state gets no holder; the child that made it
     stays as its only process, for the next cell (a notebook run's
     intermediate state), and once that is taken the state is restored from
-    the store when run from again.
+    the store when run from again. `home`: the notebook's folder; a state
+    whose lineage started elsewhere (or nowhere) moves there first (the cell
+    runs in it unless an earlier cell of the lineage chose another folder).
     """
     code: str
     new_name: str
@@ -73,6 +75,7 @@ class Execute(NamedTuple):
     exec_id: str | None = None
     stream: bool = False
     keep_live: bool = True
+    home: str | None = None
 
     def failed(self, error):
         """The result that reports `error` for this request."""
@@ -216,8 +219,10 @@ WITH_RESULT = (CellStatus.RAN, CellStatus.REUSED)
 ORDERS = ("notebook", "dataflow")
 # Tags that make a fresh run skip a cell, as nbclient's users tag them.
 SKIP_TAGS = ("no-execute", "skip-execution")
-# The metadata of a FreshOptions field that only the command takes.
+# The metadata of a FreshOptions field that only the command takes, and of one that
+# incremental runs take too.
 COMMAND_ONLY = {"command_only": True}
+SHARED = {"shared": True}
 
 
 def now():
@@ -276,7 +281,7 @@ class FreshOptions:
     timeout: float | None = None  # the whole run's deadline, s (fresh.timeout_s)
     cell_timeout: float | None = None  # one cell's, s; 0 = none (fresh.cell_timeout_s)
     env: list = field(default_factory=list)  # names passed from the caller's environment
-    cwd: str | None = None  # the cells' working directory
+    cwd: str | None = field(default=None, metadata=SHARED)  # the cells' working directory
     expected_environment: str | None = None  # the environment SHA-256 the kernel must have
     receipt: str | None = field(default=None, metadata=COMMAND_ONLY)  # where it goes
     lock: str | None = field(default=None, metadata=COMMAND_ONLY)  # a lock file to record
@@ -284,9 +289,12 @@ class FreshOptions:
     keep_states: str | None = field(default=None, metadata=COMMAND_ONLY)  # a store folder
 
     @classmethod
-    def names(cls, command=True):
-        """The options' names (without `command`: only those the API takes too)."""
-        return [f.name for f in dataclasses.fields(cls) if command or not f.metadata]
+    def names(cls, command=True, shared=True):
+        """The options' names (without `command`: only those the API takes too; without
+        `shared`: only those incremental runs do not take)."""
+        return [f.name for f in dataclasses.fields(cls)
+                if (command or not f.metadata.get("command_only"))
+                and (shared or not f.metadata.get("shared"))]
 
 
 @dataclass
@@ -294,8 +302,10 @@ class NotebookRequest:
     """A run of a notebook's code cells: POST /notebooks/run's body, or the command's.
 
     `notebook` names it (the command: the file's absolute path); `cells`
-    are NotebookCell with id, source, index and tags. `order` and `rerun`
-    are for incremental runs; `fresh` (FreshOptions) makes it a fresh run.
+    are NotebookCell with id, source, index and tags; `cwd` the notebook's
+    folder, where the cells run (a fresh run takes it as `fresh.cwd`).
+    `order` and `rerun` are for incremental runs; `fresh` (FreshOptions)
+    makes it a fresh run.
     """
     notebook: str
     cells: list
@@ -303,6 +313,7 @@ class NotebookRequest:
     rerun: list = field(default_factory=list)
     exec_id: str | None = None
     fresh: FreshOptions | None = None
+    cwd: str | None = None
 
     # Options an incremental run takes and a fresh run does not.
     INCREMENTAL_ONLY = ("order", "rerun", "exec_id")

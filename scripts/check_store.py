@@ -117,6 +117,12 @@ def group_refs(name, manifest, problems):
                 problems.append((name, label, str(key), f"{role} key is not a SHA-256 hex"))
             else:
                 refs.append((label, role, key))
+    for provider, key in (manifest.get("context") or {}).items():
+        if not _is_key(key):
+            problems.append((name, "-", str(key), f"context {provider} key is not a SHA-256 "
+                                                  f"hex"))
+        else:
+            refs.append(("-", f"context {provider}", key))
     return refs
 
 

@@ -621,6 +621,7 @@ def referenced_blobs(manifest):
     for group in manifest.get("groups", []):
         keys.add(group["key"])
         keys.update(group["buffers"])
+    keys.update((manifest.get("context") or {}).values())
     return keys
 
 

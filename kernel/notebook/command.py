@@ -36,9 +36,12 @@ def run(args, settings):
         return _run_fresh(args, settings)
     try:
         _, notebook = ipynb.read(args.notebook)
+        # The cells run in the notebook's folder, as in Jupyter.
+        folder = os.path.abspath(args.cwd or os.path.dirname(os.path.abspath(args.notebook)))
         request = NotebookRequest(os.path.abspath(args.notebook), ipynb.code_cells(notebook),
                                   order=args.order, rerun=args.rerun,
-                                  exec_id=f"run-{os.getpid()}-{os.urandom(4).hex()}")
+                                  exec_id=f"run-{os.getpid()}-{os.urandom(4).hex()}",
+                                  cwd=folder)
         progress = Progress(len(request.cells))
         if args.server:
             record = _through_server(args, request, progress)
@@ -104,7 +107,7 @@ def _through_server(args, request, progress):
     except ValueError as exc:
         raise Refused(f"--server: {exc}") from None
     body = {"notebook": request.notebook, "order": request.order, "rerun": request.rerun,
-            "exec_id": request.exec_id,
+            "exec_id": request.exec_id, "cwd": request.cwd,
             "cells": [{"id": c.id, "source": c.source, "tags": list(c.tags)}
                       for c in request.cells]}
 

@@ -30,6 +30,7 @@ import uuid
 
 from kernel.errors import Conflict, InvalidRequest, KernelError, NotebookNotFound
 from kernel.notebook import analysis, graph as graph_mod, keys as keys_mod, planner
+from kernel.server.registry import check_folder
 from kernel.protocol import ORDERS, WITH_RESULT, CellStatus, NotebookRun, error, now
 from storage.notebooks import NotebookStore
 from storage.store import StoreError, StoreFull
@@ -39,6 +40,7 @@ STATE_PREFIX = "nb-"
 
 def validate(request):
     """Check an incremental run's request; InvalidRequest naming the problem."""
+    check_folder(request.cwd)
     if request.order not in ORDERS:
         raise InvalidRequest(f"unknown order {request.order!r}: use "
                              f"{' or '.join(repr(o) for o in ORDERS)}")
@@ -69,6 +71,7 @@ class _Run:
                                   [dataclasses.replace(c) for c in request.cells],
                                   order_kind=request.order, exec_id=exec_id)
         self.sources = [c.source for c in request.cells]
+        self.cwd = request.cwd
         self.stop = threading.Event()  # set by an interrupt
         self.results = {}  # cell key -> result, stored when the run ends
         self.last_final = []  # see NotebookRunner._last_final
@@ -293,7 +296,8 @@ class NotebookRunner:
                 return {}, error("KeyboardInterrupt", "the run was interrupted")
             answer = self.registry.execute(run.sources[i], run.exec_id, base,
                                            f"{STATE_PREFIX}{run.keys[i]}",
-                                           keep_live=keep_live, cancel=run.stop).to_json()
+                                           keep_live=keep_live, cancel=run.stop,
+                                           cwd=run.cwd).to_json()
             if answer["error"] is not None:
                 return answer, answer["error"]
             answer["provenance"] = self._provenance(answer, base, provenance, run.keys[i],

@@ -7,6 +7,7 @@ opens its own channel to the server's Unix socket and its own store handle.
 
 import ctypes
 import os
+import random
 import signal
 import types
 
@@ -84,7 +85,12 @@ def fork_worker(role):
     group (the server's, of a cell's child and what its cell left, once the
     cell made no state) would kill it too. A holder killed before it
     connected left its state waiting for it a whole worker_start_timeout_s.
+
+    The `random` module reseeds its generator in every forked child; a worker
+    is the state it was forked from, so it takes the parent's generator back
+    (a cell after `random.seed(0)` must draw what it would in Jupyter).
     """
+    generator = random.getstate()
     pid = os.fork()
     if pid:
         try:
@@ -99,6 +105,7 @@ def fork_worker(role):
     _wake_fds.clear()
     signal.signal(signal.SIGCHLD, signal.SIG_DFL)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    random.setstate(generator)
     trace.after_fork(role)
     return 0
 

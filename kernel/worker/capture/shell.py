@@ -14,6 +14,7 @@ import os
 import sys
 import threading
 
+from kernel.worker import context
 from kernel.worker.capture import collector, figures
 
 _shell = None  # created on first use
@@ -126,7 +127,10 @@ def _make_shell():
             if magic_name == "config":
                 _configure_inline_backend(self)
             with _hidden_names(self):
-                return super().run_line_magic(magic_name, line, _stack_depth + 1)
+                result = super().run_line_magic(magic_name, line, _stack_depth + 1)
+            # IPython's own settings are part of the state (kernel/worker/context.py).
+            context.note_magic(magic_name, line)
+            return result
 
         def run_cell_magic(self, magic_name, line, cell):
             """Run a cell magic with IPython's directory history in place."""
