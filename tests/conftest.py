@@ -40,9 +40,11 @@ class Server(harness.Server):
         """DELETE."""
         return self.request("DELETE", path, **kw)
 
-    def execute(self, code, state="initial", new=None, exec_id=None, ok=True):
-        """POST /execute; with ok=True, assert the cell succeeded and return the answer."""
-        body = {"code": code, "exec_id": exec_id or f"e{next(_ids)}", "state_name": state}
+    def execute(self, code, state="initial", new=None, exec_id=None, ok=True, extra=None):
+        """POST /execute (with the `extra` fields of the body, if any); with ok=True,
+        assert the cell succeeded and return the answer."""
+        body = {"code": code, "exec_id": exec_id or f"e{next(_ids)}", "state_name": state,
+                **(extra or {})}
         if new is not None:
             body["new_state_name"] = new
         r = self.post("/execute", body)

@@ -8,8 +8,9 @@ these is one `Provider` below: a name, `get()` (the value to keep, or None
 when there is nothing to keep, e.g. a library not imported), `set(value)`,
 and `same(a, b)`. Supporting another library is one more entry of
 PROVIDERS, which lists them in the order a restore applies them (the
-folder and `sys.path` before the modules imported from files, libraries'
-settings before the generators, which importing may touch).
+folder and `sys.path` before the modules imported from files, the
+warnings filters after what they could make fail, the generators last, as
+importing may touch them).
 
 After each cell, `capture` asks every provider and compares with the values
 the state had (cheap comparisons of live structures: a cell that changed
@@ -440,11 +441,12 @@ PROVIDERS = [
     Provider("sys.path", _path_get, _path_set),
     Provider("environ", _environ_get, _environ_set),
     Provider("local_modules", _local_get, _local_set),
-    Provider("warnings", lambda: list(warnings.filters), _warnings_set),
     Provider("logging", _logging_get, _logging_set),
     Provider("pandas.options", _pandas_get, _pandas_set, module="pandas"),
     Provider("matplotlib.rcParams", _rc_get, _rc_set, module="matplotlib"),
     Provider("ipython", _ipython_get, _ipython_set),
+    # After the magics said again: a cell's "error" filter could fail them.
+    Provider("warnings", lambda: list(warnings.filters), _warnings_set),
     Provider("random", random.getstate, random.setstate),
     Provider("numpy.random", _numpy_get, _numpy_set, module="numpy"),
     Provider("torch.random", _torch_get, _torch_set, module="torch"),

@@ -169,11 +169,16 @@ def _configure_inline_backend(shell):
     display waits for the shell (1.1 of 2.2 s measured).
     """
     from matplotlib_inline.config import InlineBackend
-    if any(isinstance(c, InlineBackend) for c in shell.configurables):
-        return
-    inline = InlineBackend.instance(parent=shell)
-    shell.configurables.append(inline)
-    inline.observe(lambda change: figures.choose_formats(change["new"]), names="figure_formats")
+    inline = next((c for c in shell.configurables if isinstance(c, InlineBackend)), None)
+    if inline is None:
+        inline = InlineBackend.instance(parent=shell)
+        shell.configurables.append(inline)
+    # matplotlib's inline set-up may have registered it first (a cell that imported
+    # pyplot before its %config): the format must reach the figures either way.
+    if not getattr(inline, "_snapk_observed", False):
+        inline.observe(lambda change: figures.choose_formats(change["new"]),
+                       names="figure_formats")
+        inline._snapk_observed = True
 
 
 @contextlib.contextmanager
