@@ -68,6 +68,9 @@ class Execute(NamedTuple):
     the store when run from again. `home`: the notebook's folder; a state
     whose lineage started elsewhere (or nowhere) moves there first (the cell
     runs in it unless an earlier cell of the lineage chose another folder).
+    `fresh_imports` (notebook runs): a module of the user's files that
+    changed since this process imported it is imported anew by the cell, as
+    in a clean Run All (a live kernel would keep the old one).
     """
     code: str
     new_name: str
@@ -76,6 +79,7 @@ class Execute(NamedTuple):
     stream: bool = False
     keep_live: bool = True
     home: str | None = None
+    fresh_imports: bool = False
 
     def failed(self, error):
         """The result that reports `error` for this request."""

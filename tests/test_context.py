@@ -205,3 +205,26 @@ def test_a_seed_reused_from_another_notebook_gives_the_numbers_of_a_clean_run(
                                              "state_mapping": {}}).json()
     assert second["cells"][1]["outputs"] == [
         dict(clean["output"][-1], execution_count=second["cells"][1]["execution_count"])]
+
+
+def test_an_edit_of_a_helper_module_runs_its_importers_and_their_dependents_only(server,
+                                                                                tmp_path):
+    (tmp_path / "helpers.py").write_text("def value():\n    return 1\n")
+    cells = [{"id": "c0", "source": "x = 10  # helper-edit"},
+             {"id": "c1", "source": "import helpers\nv = helpers.value()  # helper-edit"},
+             {"id": "c2", "source": "w = v * 2  # helper-edit"},
+             {"id": "c3", "source": "y = x + 1  # helper-edit"},
+             {"id": "c4", "source": "print(w, y)  # helper-edit"}]
+    body = {"notebook": "helper-edit", "cells": cells, "cwd": str(tmp_path)}
+
+    def run():
+        answer = server.post("/notebooks/run", body).json()
+        return {c["id"]: c["status"] for c in answer["cells"]}, answer
+
+    assert run()[0] == dict.fromkeys(["c0", "c1", "c2", "c3", "c4"], "ran")
+    assert run()[0] == dict.fromkeys(["c0", "c1", "c2", "c3", "c4"], "reused")
+    (tmp_path / "helpers.py").write_text("def value():\n    return 5\n")
+    statuses, answer = run()
+    assert statuses == {"c0": "reused", "c1": "ran", "c2": "ran", "c3": "reused",
+                        "c4": "ran"}
+    assert answer["cells"][4]["outputs"][0]["text"] == "10 11\n"

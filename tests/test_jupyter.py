@@ -444,3 +444,23 @@ def _answers(url):
         return requests.get(url, timeout=5).ok
     except requests.ConnectionError:
         return False
+
+
+def test_a_notebook_runs_in_its_folder_through_the_kernel(data_dir, tmp_path):
+    """nbclient starts the kernel in the notebook's folder: a helper module beside the
+    notebook imports, relative paths open, whatever folder started the shared server."""
+    from nbclient import NotebookClient
+    folder = tmp_path / "project"
+    folder.mkdir()
+    (folder / "helpers.py").write_text("def greet():\n    return 'hello from helpers'\n")
+    (folder / "numbers.txt").write_text("1 2 3")
+    nb = nbformat.v4.new_notebook()
+    nb.metadata.kernelspec = {"name": SPEC, "display_name": "Python (snapshot)",
+                              "language": "python"}
+    nb.cells = [nbformat.v4.new_code_cell("import helpers\nhelpers.greet()"),
+                nbformat.v4.new_code_cell("sum(map(int, open('numbers.txt').read().split()))"),
+                nbformat.v4.new_code_cell("import os\nos.getcwd()")]
+    NotebookClient(nb, kernel_name=SPEC, timeout=120,
+                   resources={"metadata": {"path": str(folder)}}).execute()
+    shown = [c.outputs[0]["data"]["text/plain"] for c in nb.cells]
+    assert shown == ["'hello from helpers'", "6", repr(str(folder))]

@@ -181,7 +181,8 @@ class SnapshotKernel(Kernel):
         answer = None
         try:
             events = self._server_call(
-                lambda c: c.execute_streamed(code, exec_id, head, new_name))
+                # Jupyter starts a kernel in its notebook's folder: the cells run there.
+                lambda c: c.execute_streamed(code, exec_id, head, new_name, os.getcwd()))
             for event in events:
                 if event["type"] == "output":
                     relay.output(event["output"])

@@ -189,7 +189,8 @@ class NotebookRunner:
             self.analysed[run.name] = dict(zip(run.sources, run.analyses))
         ids = [c.id for c in run.record.cells]
         run.graph = graph_mod.build(ids, run.analyses, request.order)
-        run.keys = planner.cell_keys(run.graph, run.sources, run.analyses, self.environment)
+        run.keys = planner.cell_keys(run.graph, run.sources, run.analyses, self.environment,
+                                     run.cwd)
         run.stored = self._stored(k for k in run.keys.values() if k)
         run.plan = planner.plan(run.graph, run.keys,
                                 {k: set(r["volatile"]) for k, r in run.stored.items()},
@@ -297,7 +298,7 @@ class NotebookRunner:
             answer = self.registry.execute(run.sources[i], run.exec_id, base,
                                            f"{STATE_PREFIX}{run.keys[i]}",
                                            keep_live=keep_live, cancel=run.stop,
-                                           cwd=run.cwd).to_json()
+                                           cwd=run.cwd, fresh_imports=True).to_json()
             if answer["error"] is not None:
                 return answer, answer["error"]
             answer["provenance"] = self._provenance(answer, base, provenance, run.keys[i],

@@ -114,6 +114,8 @@ class CellChild:
         names_before = state.state_names()
         note = self.context_note(msg)
         home = self.move_home(msg.home)
+        if msg.fresh_imports:
+            context.forget_changed_modules()
         outputs, error = limits.run_limited(cell, namespace, count, state.settings,
                                             self.sink(msg))
         outputs = note + outputs

@@ -181,6 +181,22 @@ def _local_get():
     return dict(_local) or None
 
 
+def forget_changed_modules():
+    """Take out of sys.modules the modules of the user's files whose file changed since
+    they were imported (and their submodules): the next `import` reads the file."""
+    _local_get()
+    for name, (path, sha) in list(_local.items()):
+        try:
+            same = file_sha256(path) == sha
+        except OSError:
+            same = False
+        if not same:
+            for loaded in [m for m in sys.modules if m == name or m.startswith(name + ".")]:
+                del sys.modules[loaded]
+            del _local[name]
+            _modules_seen.discard(name)
+
+
 def _local_set(modules):
     """Import the kept modules again (sys.path and the folder are restored by now);
     a warning names each whose file changed since or is gone."""
