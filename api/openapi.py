@@ -233,8 +233,10 @@ def document(version=__version__):
                     "context": dict(_NAMES, description="What the state keeps besides its "
                                     "names (the random generators, library settings, "
                                     "the environment...: README, \"What a state holds\")"),
+                    "unkept": dict(_NAMES, description="Attributes its cells set on modules "
+                                   "whose values could not be stored"),
                     "local_modules": {"type": "object", "description": "Modules its cells "
-                                      "imported from files of their own", 
+                                      "imported from files of their own",
                                       "additionalProperties": {
                                           "type": "object",
                                           "properties": {"path": {"type": "string"},

@@ -56,6 +56,7 @@ def new_manifest(name, parent=None, code="", execution_count=0, auto_named=False
         "context": dict(parent.get("context") or {}), "cwd": parent.get("cwd"),
         "home": parent.get("home"),
         "local_modules": dict(parent.get("local_modules") or {}),
+        "unkept": list(parent.get("unkept") or []),
     }
 
 

@@ -228,3 +228,25 @@ def test_an_edit_of_a_helper_module_runs_its_importers_and_their_dependents_only
     assert statuses == {"c0": "reused", "c1": "ran", "c2": "ran", "c3": "reused",
                         "c4": "ran"}
     assert answer["cells"][4]["outputs"][0]["text"] == "10 11\n"
+
+
+def test_attributes_set_on_modules_are_kept_or_named(make_server, tmp_path):
+    data = tmp_path / "store"
+    srv = make_server(data)
+    srv.execute(textwrap.dedent("""\
+        import json
+        import pandas as pd
+        scale = 3
+        def tripled(self):
+            return self * scale
+        pd.DataFrame.tripled = tripled
+        json.MY_CONST = 42
+        json.NUMBERS = (i for i in range(3))
+        """), new="patched")
+    probe = "(int(pd.DataFrame({'a': [2]}).tripled().a[0]), json.MY_CONST)"
+    live = srv.value("patched", probe)
+    assert live == "(6, 42)"
+    srv.stop()
+    srv = make_server(data)
+    assert srv.value("patched", probe) == live
+    assert srv.get("/states/patched").json()["unkept"] == ["json.NUMBERS"]

@@ -141,6 +141,8 @@ class Registry:
                 # A state made before any cell chose a folder runs in the server's.
                 "cwd": m.get("cwd") or self.pool.cwd or os.getcwd(),
                 "context": sorted(m.get("context") or {}),
+                # Attributes cells set on modules whose values could not be stored.
+                "unkept": m.get("unkept") or [],
                 "local_modules": _local_modules(m)}
 
     def symbol_hashes(self, name, symbols, hash_algo=None):

@@ -130,6 +130,7 @@ class CellChild:
                                deleted_symbols=sorted(deleted))
         if error is not None:
             return None, protocol.CellResult(answer)
+        context.watch_attribute_writes(cell.codes, namespace)
         self.channel.send(protocol.Phase("saving"))
         touched = found.reads | found.writes | modified | deleted
         if found.dynamic:
@@ -195,6 +196,7 @@ class CellChild:
         manifest["context"] = context.keys(made)
         manifest["cwd"] = made["cwd"][1]
         manifest["local_modules"] = (made.get("local_modules") or (None, {}))[1]
+        manifest["unkept"] = (made.get("module_attributes") or (None, {}))[1].get("unkept", [])
         return made
 
     def context_note(self, msg):

@@ -29,6 +29,7 @@ from the display limits the server sets), so a state made before a change
 of the server's configuration does not bring the old configuration back.
 """
 
+import dis
 import hashlib
 import importlib
 import logging
@@ -36,6 +37,7 @@ import os
 import pickle
 import random
 import sys
+import types
 import warnings
 
 from storage.store import StoreCorrupt
@@ -218,6 +220,91 @@ def _local_set(modules):
                             f"the state now uses the file as it is")
     if problems:
         raise ContextWarning("; ".join(problems))
+
+
+# Attributes cells set on imported modules ---------------------------------------------
+
+_watched = set()  # (module name, dotted path) of the attributes cells assign
+_unkept = set()  # "module.path" of those whose value could not be stored
+
+
+def watch_attribute_writes(codes, namespace):
+    """Note the attributes the cell's code assigns on imported modules and on their
+    classes (`mod.CONST = 3`, `pd.DataFrame.f = f`, also inside functions), from
+    its bytecode: after this cell and every later one their values are kept."""
+    todo = list(codes)
+    while todo:
+        code = todo.pop()
+        todo.extend(c for c in code.co_consts if isinstance(c, type(code)))
+        ops = list(dis.get_instructions(code))
+        for i, op in enumerate(ops):
+            if op.opname != "STORE_ATTR":
+                continue
+            path, j = [op.argval], i - 1
+            while j >= 0 and ops[j].opname == "LOAD_ATTR":
+                path.insert(0, ops[j].argval)
+                j -= 1
+            if j < 0 or ops[j].opname not in ("LOAD_NAME", "LOAD_GLOBAL"):
+                continue
+            root = namespace.get(ops[j].argval)
+            if isinstance(root, types.ModuleType) and root.__name__ != "__main__":
+                _watched.add((root.__name__, ".".join(path)))
+            elif isinstance(root, type) and root.__module__ not in ("__main__", "builtins"):
+                _watched.add((root.__module__, ".".join([root.__qualname__, *path])))
+
+
+def _resolve(module, path):
+    """(object holding the attribute, attribute name) of `module`'s `path`."""
+    target = sys.modules[module]
+    *parents, name = path.split(".")
+    for part in parents:
+        target = getattr(target, part)
+    return target, name
+
+
+def _attributes_get():
+    """{(module, path): (pickled value, pickler)} of the watched attributes, pickled as
+    the namespace's values are (a cell's function by value, bound on restore to
+    the namespace); "unkept": those that cannot be stored."""
+    from storage import serializer
+    if not _watched:
+        return None
+    namespace = sys.modules["__main__"].__dict__
+    kept = {}
+    for module, path in sorted(_watched):
+        try:
+            target, name = _resolve(module, path)
+            value = getattr(target, name)
+        except (KeyError, AttributeError):
+            continue
+        try:
+            pickled = serializer.dumps([value], namespace, "", 2 ** 62)
+        except serializer.Unpicklable:
+            _unkept.add(f"{module}.{path}")
+            continue
+        _unkept.discard(f"{module}.{path}")
+        kept[(module, path)] = (pickled.payload, pickled.pickler)
+    return {"attributes": kept, "unkept": sorted(_unkept)}
+
+
+def _attributes_set(value):
+    """Set the kept attributes again, their modules imported."""
+    from storage import serializer
+    namespace = sys.modules["__main__"].__dict__
+    problems = []
+    for (module, path), (payload, pickler) in value["attributes"].items():
+        try:
+            importlib.import_module(module)
+            with serializer.loading_into(namespace):
+                restored = serializer.loads(payload, [], pickler)[0]
+            target, name = _resolve(module, path)
+            setattr(target, name, restored)
+            _watched.add((module, path))
+        except Exception as exc:
+            problems.append(f"{module}.{path}: {type(exc).__name__}: {exc}")
+    _unkept.update(value["unkept"])
+    if problems:
+        raise ContextWarning("attributes set on modules not restored: " + "; ".join(problems))
 
 
 # Warnings and logging ------------------------------------------------------------------
@@ -457,6 +544,7 @@ PROVIDERS = [
     Provider("sys.path", _path_get, _path_set),
     Provider("environ", _environ_get, _environ_set),
     Provider("local_modules", _local_get, _local_set),
+    Provider("module_attributes", _attributes_get, _attributes_set),
     Provider("logging", _logging_get, _logging_set),
     Provider("pandas.options", _pandas_get, _pandas_set, module="pandas"),
     Provider("matplotlib.rcParams", _rc_get, _rc_set, module="matplotlib"),
