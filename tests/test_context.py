@@ -32,6 +32,9 @@ SETUP = textwrap.dedent("""\
     logging.getLogger('mine').addHandler(logging.StreamHandler(sys.stdout))
     %precision 3
     %xmode Minimal
+    %load_ext autoreload
+    %autoreload 2
+    %alias say_hello echo hello
     """)
 
 # Reads every item back, one value each.
@@ -42,7 +45,10 @@ PROBE = textwrap.dedent("""\
      os.getcwd(), sys.path[-1], mymod.VALUE, warnings.filters[0][:1] + warnings.filters[0][2:3],
      logging.getLogger('mine').level, [type(h).__name__ for h in logging.getLogger('mine').handlers],
      get_ipython().display_formatter.formatters['text/plain'].float_precision,
-     get_ipython().InteractiveTB.mode, plt.plot([1, 2]) and None)
+     get_ipython().InteractiveTB.mode,
+     any('autoreload' in e for e in get_ipython().extension_manager.loaded),
+     get_ipython().magics_manager.registry['AutoreloadMagics']._reloader.check_all,
+     get_ipython().alias_manager.is_alias('say_hello'), plt.plot([1, 2]) and None)
     """)
 
 
@@ -71,7 +77,7 @@ def test_every_item_of_the_context_is_as_live_after_a_restart(make_server, tmp_p
     value = " ".join(value.split())  # IPython's pretty printer breaks the tuple's lines
     assert value == (f"(0.549, 0.844, 7, '#E5E5E5', 'x', False, '{folder}', '{lib}', 41, "
                      f"('error', DeprecationWarning), 10, ['StreamHandler'], '3', 'Minimal', "
-                     f"None)")
+                     f"True, True, True, None)")
     assert figures == [["image/svg+xml", "text/plain"]]
     srv.stop()
     srv = make_server(data)
