@@ -21,6 +21,7 @@ import hashlib
 import json
 import os
 import queue
+import shlex
 import threading
 import time
 
@@ -138,9 +139,13 @@ class Store:
             self.blobs = self.env.open_db(b"blobs", create=not self.readonly)
             self.states = self.env.open_db(b"states", create=not self.readonly)
         except lmdb.Error as exc:
+            # Not proof of damage (a lock file of another user, a full disk, a map
+            # size): nothing here may suggest throwing the states away.
             raise StoreError(
-                f"cannot open the store at {path}: {exc}. If it is damaged, move the "
-                f"folder aside and start with an empty one (or restore a backup)") from None
+                f"cannot open the store at {path}: {exc}. It is left as it is. Before "
+                f"trying anything on it, keep a copy: {_backup_command(path)}; "
+                f"scripts/check_store.py --data-dir {shlex.quote(path)} tells whether its "
+                f"data file is whole") from None
         self._check_format()
 
     @classmethod
@@ -447,7 +452,7 @@ class Store:
     def space(self):
         """Bytes of the data file in use by LMDB, of that free for new states, and
         the room left under max_store_gb beyond it: {used, free, room}."""
-        meta = lmdbfile.current_meta(self.path)
+        meta = lmdbfile.read_meta(self.path)  # checked when the store was opened
         with self.env.begin() as txn:
             pages = sum(stat["branch_pages"] + stat["leaf_pages"] + stat["overflow_pages"]
                         for stat in (txn.stat(db) for db in (self.meta, self.blobs, self.states)))
@@ -603,16 +608,29 @@ def _free_bytes(path):
 
 
 def check_data_file(path):
-    """Refuse (StoreError) an LMDB file that lacks pages it uses, before LMDB maps it."""
+    """Refuse (StoreError) a data file that lacks pages its trees use, or whose trees
+    lead to pages that are not theirs, before LMDB maps it (storage/lmdbfile.py)."""
     try:
         lmdbfile.current_meta(path)
-    except lmdbfile.Truncated as exc:
+    except lmdbfile.DataFileError as exc:
+        if isinstance(exc, lmdbfile.Truncated):
+            why = "Reading those pages through LMDB's map would kill this process (SIGBUS)"
+        else:
+            why = "LMDB would follow what that page holds wherever it points (a crash)"
         raise StoreError(
-            f"the store at {path} is damaged: {exc}. Mapping it would crash this process "
-            f"(SIGBUS), so it is not opened. Restore {lmdbfile.DATA_FILE} from a backup, "
-            f"or move the folder aside and start with an empty store") from None
+            f"the store at {path} is damaged: {exc}. {why}, so it is not opened; it is "
+            f"left as it is. Before trying anything on it, keep a copy: "
+            f"{_backup_command(path)}. Then restore {lmdbfile.DATA_FILE} from a backup if "
+            f"you have one; scripts/check_store.py --data-dir {shlex.quote(path)} lists "
+            f"every page it found missing or wrong") from None
     except OSError as exc:
         raise StoreError(f"cannot read the store at {path}: {exc}") from None
+
+
+def _backup_command(path):
+    """The shell command that copies the store folder `path` aside, as it is."""
+    path = os.path.normpath(path)
+    return f"cp -a {shlex.quote(path)} {shlex.quote(path + '.bak')}"
 
 
 def referenced_blobs(manifest):
