@@ -11,9 +11,9 @@ transaction uses and checks that each page they reference lies in the file
 and is a page of that tree (storage/lmdbfile.py): a file cut short is
 reported with every page missing, not mapped (mapping it would crash with
 SIGBUS). Its length alone proves nothing: LMDB leaves pages it allocated
-but never wrote off the end of a healthy file. For every state it checks that the manifest parses and that
-each blob its alias groups refer to (payload and out-of-band buffers) is in
-the store. Every blob in the store is then read as the server reads it
+but never wrote off the end of a healthy file. For every state it checks
+that the manifest parses and that each blob its alias groups refer to
+(payload and out-of-band buffers) is in the store. Every blob in the store is then read as the server reads it
 (its checksum verified, decompressed) and hashed: its SHA-256 must equal
 its key. A corrupt blob is an error even when no state refers to it,
 because blobs are content-addressed and written once: a later state with

@@ -101,10 +101,12 @@ class Store:
 
     _per_process = {}
 
-    def __init__(self, path, settings=None):
+    def __init__(self, path, settings=None, checked=False):
         """Open the store at `path`: for writing (created if needed) under the
         `store.*` tunables of `settings`, or read-only when settings is None.
-        Refuses a foreign store.
+        Refuses a foreign store, and a data file that lacks pages it uses
+        (`check_data_file`) unless `checked`: the process this one was forked
+        from checked it and holds it open (see `for_process`).
 
         A blob is stored compressed if that saves `store.compress_min_saving`
         of its size; `store.threads` hash, compress and check the chunks of a
@@ -125,7 +127,8 @@ class Store:
         try:
             if not self.readonly:
                 os.makedirs(path, exist_ok=True)
-            check_data_file(path)
+            if not checked:
+                check_data_file(path)
             # map_size 0 when read-only: LMDB maps the file as large as it is.
             map_size = 0 if self.readonly else int(self.max_store_gb * 2 ** 30)
             # meta, blobs, states; notebooks (storage/notebooks.py); remote (storage/cache.py)
@@ -160,14 +163,23 @@ class Store:
         the new open, or it would clear the new handle's reader slots. The
         parent keeps its handle open through the fork (reopening costs a
         cell about 1 ms).
+
+        A process forked from one that holds this store open does not check
+        the data file again (a walk of its trees when it is shorter than its
+        last page number: milliseconds per process, for every spare): the
+        parent checked it when it opened it, LMDB has written every page a
+        later transaction uses, and no tool swaps the file while a handle
+        is open on it (gc_states.py --compact refuses while a server runs).
         """
         pid = os.getpid()
         key = (pid, path)
         store = cls._per_process.get(key)
         if store is None:
-            for inherited in [k for k in cls._per_process if k[0] != pid]:
-                cls._per_process.pop(inherited).close()
-            store = cls._per_process[key] = cls(path, settings)
+            inherited = [k for k in cls._per_process if k[0] != pid]
+            checked = any(k[1] == path for k in inherited)
+            for k in inherited:
+                cls._per_process.pop(k).close()
+            store = cls._per_process[key] = cls(path, settings, checked=checked)
         return store
 
     @classmethod
