@@ -626,9 +626,10 @@ def check_data_file(path):
         lmdbfile.current_meta(path)
     except lmdbfile.DataFileError as exc:
         if isinstance(exc, lmdbfile.Truncated):
-            why = "Reading those pages through LMDB's map would kill this process (SIGBUS)"
+            why = ("LMDB maps the file: reading a page past its end would kill this process "
+                   "(SIGBUS)")
         else:
-            why = "LMDB would follow what that page holds wherever it points (a crash)"
+            why = "LMDB would follow whatever that page holds, which can crash this process"
         raise StoreError(
             f"the store at {path} is damaged: {exc}. {why}, so it is not opened; it is "
             f"left as it is. Before trying anything on it, keep a copy: "
