@@ -6,18 +6,19 @@ store is opened read-only, and LMDB lets readers work beside the writer):
     python scripts/check_store.py [--data-dir DIR]
     python scripts/check_store.py --remote [--config FILE]
 
-It first walks, with plain reads, every B-tree of `data.mdb` that its last
-transaction uses and checks that each page they reference lies in the file
-and is a page of that tree (storage/lmdbfile.py): a file cut short is
-reported with every page missing, not mapped (mapping it would crash with
-SIGBUS). Its length alone proves nothing: LMDB leaves pages it allocated
-but never wrote off the end of a healthy file. For every state it checks
-that the manifest parses and that each blob its alias groups refer to
-(payload and out-of-band buffers) is in the store. Every blob in the store is then read as the server reads it
-(its checksum verified, decompressed) and hashed: its SHA-256 must equal
-its key. A corrupt blob is an error even when no state refers to it,
-because blobs are content-addressed and written once: a later state with
-the same value would reuse the damaged copy. Blobs no state refers to are
+It first walks, with plain reads, every B-tree of `data.mdb` that its
+last transaction uses and checks that each page they reference lies in
+the file and is a page of that tree (storage/lmdbfile.py): a file cut
+short is reported with every page missing, not mapped (mapping it would
+crash with SIGBUS). Its length alone proves nothing: LMDB leaves pages
+it allocated but never wrote off the end of a healthy file. For every
+state it checks that the manifest parses and that each blob its alias
+groups refer to (payload and out-of-band buffers) is in the store. Every
+blob in the store is then read as the server reads it (its checksum
+verified, decompressed) and hashed: its SHA-256 must equal its key. A
+corrupt blob is an error even when no state refers to it, because blobs
+are content-addressed and written once: a later state with the same
+value would reuse the damaged copy. Blobs no state refers to are
 reported as information (scripts/gc_states.py removes them).
 
 With --remote it checks the S3-compatible store of `store.remote` the same
@@ -228,7 +229,7 @@ def main(argv=None):
     if not check_data_file(data_dir):
         return 1
     try:
-        store = Store(data_dir)
+        store = Store(data_dir, checked=True)  # walked just now
     except StoreError as exc:
         print(f"check_store.py: error: {exc}", file=sys.stderr)
         return 1

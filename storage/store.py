@@ -105,8 +105,9 @@ class Store:
         """Open the store at `path`: for writing (created if needed) under the
         `store.*` tunables of `settings`, or read-only when settings is None.
         Refuses a foreign store, and a data file that lacks pages it uses
-        (`check_data_file`) unless `checked`: the process this one was forked
-        from checked it and holds it open (see `for_process`).
+        (`check_data_file`) unless `checked`: the caller has just checked it,
+        or the process this one was forked from did and holds it open (see
+        `for_process`).
 
         A blob is stored compressed if that saves `store.compress_min_saving`
         of its size; `store.threads` hash, compress and check the chunks of a
