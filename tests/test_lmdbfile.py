@@ -11,6 +11,9 @@ a check that let a cut file through would kill it with SIGBUS, not pytest.
 
 import os
 import random
+import subprocess
+import sys
+import time
 
 import lmdb
 import numpy as np
@@ -149,6 +152,55 @@ def test_a_put_delete_loop_leaves_healthy_files_short_and_each_is_accepted(tmp_p
     assert short > 0, "no commit left the file short: the loop reproduces nothing"
     checked = run_script("check_store.py", tmp_path)  # no store format: LMDB opens it
     assert "damaged" not in checked.stderr and "cut short" not in checked.stderr
+
+
+WRITER = """
+import os, sys
+import lmdb
+env = lmdb.open(sys.argv[1], map_size=2 ** 30, max_dbs=2, sync=False, metasync=False)
+db = env.open_db(b"records")
+i = 0
+while True:
+    with env.begin(write=True, db=db) as txn:
+        txn.put(b"scratch", os.urandom(20_000))
+        txn.delete(b"scratch")
+        txn.put(b"k%06d" % (i % 3000), os.urandom(300))
+        if i % 7 == 0:
+            for j in range(20):
+                txn.delete(b"k%06d" % ((i * 13 + j) % 3000))
+    i += 1
+"""
+
+
+def test_a_walk_beside_a_writer_finds_nothing_wrong(tmp_path):
+    """The check reads the file while a server may commit (check_store.py, a worker
+    opening the store): pages it walks may be reused under it meanwhile, which
+    must never end in a refusal of the healthy file."""
+    def txnid():
+        """The last committed transaction (0 while the file is being made)."""
+        try:
+            meta = lmdbfile.read_meta(str(tmp_path))
+        except lmdbfile.Truncated:
+            return 0
+        return meta.txnid if meta else 0
+
+    writer = subprocess.Popen([sys.executable, "-c", WRITER, str(tmp_path)])
+    try:
+        deadline = time.monotonic() + 60
+        while txnid() < 100:
+            assert writer.poll() is None and time.monotonic() < deadline, "no writer"
+            time.sleep(0.01)
+        start = txnid()
+        for _ in range(2000):
+            found = lmdbfile.walk(str(tmp_path))
+            assert not found.beyond and not found.damaged, (found.beyond + found.damaged)[0]
+            lmdbfile.current_meta(str(tmp_path))
+        assert writer.poll() is None
+        # Commits went on all along (one walk in hundreds meets reused pages).
+        assert txnid() > start + 1000
+    finally:
+        writer.kill()
+        writer.wait()
 
 
 def test_a_store_that_gc_left_short_opens_and_reads_back(tmp_path):
