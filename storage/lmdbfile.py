@@ -101,8 +101,10 @@ class Meta:
 
     def valid(self):
         """True if this is an LMDB meta page of the data format this module reads."""
+        # LMDB's pages are 512 bytes to 64 KiB (MAX_PAGESIZE), a power of two.
         return (self.magic == MAGIC and self.version == DATA_VERSION
-                and self.page_size >= 512 and self.page_size & (self.page_size - 1) == 0)
+                and 512 <= self.page_size <= 65536
+                and self.page_size & (self.page_size - 1) == 0)
 
     def needed_bytes(self):
         """Bytes of a file holding every page up to the last one allocated: at least

@@ -5,8 +5,10 @@ number; the check must accept every one of them, and still refuse a file
 cut where a tree needs a page, naming that page. The files are written by
 LMDB itself (py-lmdb) and by this project's store (storage/store.py and
 storage/snapshot.py, as a server saves states and gc_states.py collects
-them). Whatever LMDB maps here is mapped by a subprocess (check_store.py):
-a check that let a cut file through would kill it with SIGBUS, not pytest.
+them). A file that may lack pages is read through LMDB only by a
+subprocess (check_store.py), or in this process after the check has
+refused it: a check that let a cut file through would kill that
+subprocess with SIGBUS, or fail its test first, not kill pytest.
 """
 
 import os
