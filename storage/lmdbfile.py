@@ -101,10 +101,12 @@ class Meta:
 
     def valid(self):
         """True if this is an LMDB meta page of the data format this module reads."""
-        # LMDB's pages are 512 bytes to 64 KiB (MAX_PAGESIZE), a power of two.
-        return (self.magic == MAGIC and self.version == DATA_VERSION
-                and 512 <= self.page_size <= 65536
-                and self.page_size & (self.page_size - 1) == 0)
+        return self.magic == MAGIC and self.version == DATA_VERSION
+
+    def page_size_possible(self):
+        """True if LMDB could have pages of this size: a power of two from 512 bytes
+        to 64 KiB (MAX_PAGESIZE)."""
+        return 512 <= self.page_size <= 65536 and self.page_size & (self.page_size - 1) == 0
 
     def needed_bytes(self):
         """Bytes of a file holding every page up to the last one allocated: at least
@@ -280,6 +282,9 @@ def _metas(fd, file):
     first = first_raw and Meta(first_raw)
     if first and not first.valid():
         return None, None
+    if first and not first.page_size_possible():
+        raise Damaged(f"{file}: its first meta page names pages of {first.page_size} bytes, "
+                      f"which LMDB cannot have: the file is damaged")
     second_raw = first and _read_at(fd, first.page_size + _HEADER, _META.size)
     # Size after the metas: LMDB writes a transaction's pages before its meta.
     st = os.fstat(fd)
@@ -288,7 +293,8 @@ def _metas(fd, file):
         raise Truncated(f"{file} has {st.st_size} bytes: not even its two meta pages",
                         size=st.st_size)
     second = Meta(second_raw)
-    return (second if second.valid() and second.txnid > first.txnid else first), st
+    newer = second.valid() and second.page_size_possible() and second.txnid > first.txnid
+    return (second if newer else first), st
 
 
 def _stable_walk(fd, file, meta, size):

@@ -362,3 +362,20 @@ def test_a_tree_page_overwritten_is_refused_as_damaged(tmp_path):
         Store(str(data))
     assert "damaged" in str(opened.value) and "cp -a" in str(opened.value)
     assert "empty" not in str(opened.value)
+
+
+def test_a_meta_page_naming_an_impossible_page_size_is_refused(tmp_path):
+    """A damaged meta page must not steer the reads (pages of a gigabyte each)."""
+    env = lmdb.open(str(tmp_path))
+    with env.begin(write=True) as txn:
+        txn.put(b"key", b"value")
+    env.close()
+    with open(tmp_path / "data.mdb", "r+b") as f:
+        f.seek(16 + 24)  # the free-page list's md_pad in the first meta page: the page size
+        f.write((2 ** 30).to_bytes(4, "little"))
+    with pytest.raises(lmdbfile.Damaged) as refused:
+        lmdbfile.current_meta(str(tmp_path))
+    assert "pages of 1073741824 bytes" in str(refused.value)
+    checked = run_script("check_store.py", tmp_path)
+    assert checked.returncode == 1 and "damaged" in checked.stderr
+    assert "Traceback" not in checked.stderr
