@@ -352,3 +352,12 @@ def test_fresh_run_over_http(server, tmp_path):
     r = server.post("/notebooks/run", {"notebook": "nb", "cells": cells, "fresh": True,
                                        "order": "dataflow"})
     assert r.status_code == 400 and "order" in r.json()["error"]["message"]
+
+
+def test_a_cell_printing_past_the_output_limit_fails_the_run(tmp_path):
+    """The run's limit counts what the cell produced, not what a per-cell cut kept: 20 MB
+    printed against the default 10 MiB fails, and nothing is promoted."""
+    run = Run(tmp_path, ["print('x' * 20_000_000)", "z = 1"])
+    r = run.failed("OUTPUT_LIMIT")
+    assert [c["status"] for c in r["cells"]] == ["failed", "not_run"]
+    assert r["output"]["written"] is False and not os.path.exists(run.out)
