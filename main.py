@@ -81,6 +81,10 @@ def _run_options(p):
                    help="with --server: its token (or SNAPSHOT_KERNEL_TOKEN)")
     p.add_argument("--cwd", help="working directory of the cells (default: the notebook's "
                                  "folder)")
+    p.add_argument("--allow-errors", action="store_true",
+                   help="go on past a failing cell (the cells after it see what it did "
+                        "before it raised), as nbclient's --allow-errors; cells tagged "
+                        "raises-exception may always fail")
     p.add_argument("--verbose", action="store_true", help="log the kernel to stderr")
     fresh = p.add_argument_group(
         "fresh runs", "--fresh: every cell from scratch in a new interpreter, within limits, "
@@ -102,7 +106,7 @@ def _run_options(p):
 
 
 # The options of `run` that a fresh run does not take (it uses no store).
-_STORE_ONLY = ("rerun", "data_dir", "server")
+_STORE_ONLY = ("rerun", "data_dir", "server", "allow_errors")
 
 
 def _kernelspec_options(p):

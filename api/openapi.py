@@ -126,7 +126,8 @@ _NOTEBOOK_RECORD = {
             "properties": {
                 "kind": {"type": "string", "enum": ["syntax_error", "cycle",
                                                     "double_definition",
-                                                    "foreign_assignment"]},
+                                                    "foreign_assignment",
+                                                    "no_error_raised"]},
                 "cells": _NAMES, "names": _NAMES, "message": {"type": "string"},
                 "line": {"type": "integer", "nullable": True},
                 "column": {"type": "integer", "nullable": True}}}},
@@ -309,6 +310,11 @@ def document(version=__version__):
                                           "even if nothing changed"),
                 "exec_id": dict(_EXEC_ID, nullable=True),
                 "stream": _NOTEBOOK_STREAM,
+                "allow_errors": {"type": "boolean", "nullable": True,
+                                 "description": "Go on past a failing cell (nbclient's "
+                                                "allow_errors): it is failed, and the cells "
+                                                "after it see what it did before it raised. "
+                                                "Not for fresh runs"},
                 "fresh": {"type": "boolean", "nullable": True,
                           "description": "Run every cell from scratch in a new interpreter, "
                                          "within limits, keeping no state; the answer adds "

@@ -255,7 +255,7 @@ def notebook_request(data):
     """The NotebookRequest of a checked POST /notebooks/run body; BadRequest for
     options of the other kind of run."""
     if data.get("fresh"):
-        wrong = [k for k in NotebookRequest.INCREMENTAL_ONLY if data.get(k) is not None]
+        wrong = [k for k in NotebookRequest.INCREMENTAL_ONLY if data.get(k) not in (None, False)]
         if wrong:
             raise BadRequest(f"{', '.join(wrong)}: not for a fresh run")
         fresh = FreshOptions(**{k: data[k] for k in FreshOptions.names(command=False)
@@ -271,7 +271,8 @@ def notebook_request(data):
              for n, c in enumerate(data["cells"])]
     return NotebookRequest(data["notebook"], cells, order=data.get("order") or "notebook",
                            rerun=data.get("rerun") or [], exec_id=data.get("exec_id"),
-                           fresh=fresh, cwd=data.get("cwd"))
+                           fresh=fresh, cwd=data.get("cwd"),
+                           allow_errors=bool(data.get("allow_errors")))
 
 
 def _cell_line(cell):

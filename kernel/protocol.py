@@ -71,6 +71,9 @@ class Execute(NamedTuple):
     `fresh_imports` (notebook runs): a module of the user's files that
     changed since this process imported it is imported anew by the cell, as
     in a clean Run All (a live kernel would keep the old one).
+    `keep_on_error` (notebook runs that go on past a failing cell): a cell
+    that raises still stores its state, what it did before it raised, as a
+    live kernel keeps it; the answer carries the error and the state.
     """
     code: str
     new_name: str
@@ -80,6 +83,7 @@ class Execute(NamedTuple):
     keep_live: bool = True
     home: str | None = None
     fresh_imports: bool = False
+    keep_on_error: bool = False
 
     def failed(self, error):
         """The result that reports `error` for this request."""
@@ -209,6 +213,7 @@ class CellStatus(enum.StrEnum):
     RAN = "ran"
     REUSED = "reused"      # its stored result stands; incremental runs only
     FAILED = "failed"
+    FAILED_AS_EXPECTED = "failed_as_expected"  # tagged raises-exception, and raised
     BLOCKED = "blocked"    # a static error, or a cell it needs failed
     NOT_RUN = "not_run"    # the run stopped before it
     SKIPPED = "skipped"    # tagged no-execute or skip-execution; fresh runs only
@@ -219,10 +224,12 @@ class CellStatus(enum.StrEnum):
 FRESH_STATUSES = (CellStatus.RAN, CellStatus.FAILED, CellStatus.SKIPPED, CellStatus.EMPTY,
                   CellStatus.NOT_RUN)
 # A cell with one of these holds a stored result (its outputs live there).
-WITH_RESULT = (CellStatus.RAN, CellStatus.REUSED)
+WITH_RESULT = (CellStatus.RAN, CellStatus.REUSED, CellStatus.FAILED_AS_EXPECTED)
 ORDERS = ("notebook", "dataflow")
 # Tags that make a fresh run skip a cell, as nbclient's users tag them.
 SKIP_TAGS = ("no-execute", "skip-execution")
+# The tag of a cell that may raise without stopping a run (nbclient's, papermill's).
+RAISES_TAG = "raises-exception"
 # The metadata of a FreshOptions field that only the command takes, and of one that
 # incremental runs take too.
 COMMAND_ONLY = {"command_only": True}
@@ -259,6 +266,12 @@ class NotebookCell:
     def skip(self):
         """True when the cell is tagged to be skipped (fresh runs honour it)."""
         return bool(set(self.tags) & set(SKIP_TAGS))
+
+    @property
+    def may_raise(self):
+        """True when the cell is tagged raises-exception: an incremental run goes on
+        past its error (a fresh run does not)."""
+        return RAISES_TAG in self.tags
 
     def to_json(self):
         """The cell as answers and records show it."""
@@ -308,8 +321,9 @@ class NotebookRequest:
     `notebook` names it (the command: the file's absolute path); `cells`
     are NotebookCell with id, source, index and tags; `cwd` the notebook's
     folder, where the cells run (a fresh run takes it as `fresh.cwd`).
-    `order` and `rerun` are for incremental runs; `fresh` (FreshOptions)
-    makes it a fresh run.
+    `order`, `rerun` and `allow_errors` (go on past a failing cell, as
+    nbclient's allow_errors does) are for incremental runs; `fresh`
+    (FreshOptions) makes it a fresh run.
     """
     notebook: str
     cells: list
@@ -318,9 +332,10 @@ class NotebookRequest:
     exec_id: str | None = None
     fresh: FreshOptions | None = None
     cwd: str | None = None
+    allow_errors: bool = False
 
     # Options an incremental run takes and a fresh run does not.
-    INCREMENTAL_ONLY = ("order", "rerun", "exec_id")
+    INCREMENTAL_ONLY = ("order", "rerun", "exec_id", "allow_errors")
 
 
 @dataclass

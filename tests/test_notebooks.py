@@ -457,3 +457,46 @@ def test_a_streamed_run_reports_each_cell_as_its_status_changes(server):
     refused = server.post("/notebooks/run", {"notebook": "streamed", "stream": True,
                                              "cells": nb, "rerun": ["nope"]})
     assert refused.status_code == 400 and "'nope'" in refused.json()["error"]["message"]
+
+
+def test_allow_errors_goes_on_from_what_the_failing_cell_did(server):
+    nb = cells("allow-errors", "x = 1\n1 / 0\nnever = 1", "y = x + 1", "print(y)")
+    answer = run(server, "allow-errors", nb, allow_errors=True)
+    assert statuses(answer) == {"c0": "failed", "c1": "ran", "c2": "ran"}
+    assert cell(answer, "c0")["error"]["ename"] == "ZeroDivisionError"
+    assert shown(answer, "c2") == "2"
+    # The failed cell's state holds what it did before it raised; /execute goes on from it.
+    failed_state = cell(answer, "c0")["state_name"]
+    assert server.value(failed_state, "x") == "1"
+    assert server.value(failed_state, "'never' in globals()") == "False"
+    # Not a result: the next run tries it again, and the cells after it too.
+    again = run(server, "allow-errors", nb, allow_errors=True)
+    assert statuses(again) == {"c0": "failed", "c1": "ran", "c2": "ran"}
+    # Without allow_errors the run stops there, as before.
+    strict = run(server, "allow-errors", nb)
+    assert statuses(strict) == {"c0": "failed", "c1": "not_run", "c2": "not_run"}
+
+
+@pytest.mark.parametrize("order", ["notebook", "dataflow"])
+def test_a_cell_tagged_raises_exception_may_fail(server, order):
+    nb = cells(f"raises-{order}", "a = 1", "b = a + 1\nNone + 1", "c = b * 10", "d = 4")
+    nb[1]["tags"] = ["raises-exception"]
+    nb[3]["tags"] = ["raises-exception"]  # raises nothing: reported
+    answer = run(server, f"raises-{order}", nb, order=order)
+    assert statuses(answer) == {"c0": "ran", "c1": "failed_as_expected", "c2": "ran",
+                                "c3": "ran"}
+    assert cell(answer, "c1")["error"]["ename"] == "TypeError"
+    assert server.value(cell(answer, "c2")["state_name"], "c") == "20"
+    assert [d["kind"] for d in answer["diagnostics"]] == ["no_error_raised"]
+    assert answer["diagnostics"][0]["cells"] == ["c3"]
+    # Its result is stored like any other: the next run reuses every cell.
+    again = run(server, f"raises-{order}", nb, order=order)
+    assert set(statuses(again).values()) == {"reused"}
+    assert cell(again, "c1")["error"]["ename"] == "TypeError"
+
+
+def test_fresh_runs_refuse_allow_errors(server):
+    r = server.post("/notebooks/run", {"notebook": "fresh-allow", "fresh": True,
+                                       "allow_errors": True,
+                                       "cells": [{"id": "a", "source": "1"}]})
+    assert r.status_code == 400 and "allow_errors" in r.json()["error"]["message"]

@@ -192,7 +192,8 @@ class Registry:
     # Requests that run code --------------------------------------------------
 
     def execute(self, code, exec_id, state_name, new_name=None, on_output=None,
-                keep_live=True, cancel=None, cwd=None, fresh_imports=False):
+                keep_live=True, cancel=None, cwd=None, fresh_imports=False,
+                keep_on_error=False):
         """Run `code` from `state_name`; on success name the new state `new_name`.
 
         Returns the ExecuteAnswer; `on_output(item)` receives the outputs as
@@ -201,7 +202,8 @@ class Registry:
         `cancel`: a threading.Event; set before the cell starts, the cell is
         interrupted as it starts (after, interrupt(exec_id) stops it). `cwd`:
         the notebook's folder (protocol.Execute's `home`): an absolute path to
-        a folder, else InvalidRequest. `fresh_imports`: protocol.Execute's.
+        a folder, else InvalidRequest. `fresh_imports`, `keep_on_error`:
+        protocol.Execute's.
         """
         manifest = self._lookup(state_name)
         with self.lock:
@@ -213,7 +215,8 @@ class Registry:
         request = protocol.Execute(code=code, new_name=new_name or uuid.uuid4().hex,
                                    auto_named=new_name is None, exec_id=_key(exec_id),
                                    stream=on_output is not None, keep_live=keep_live,
-                                   home=cwd, fresh_imports=fresh_imports)
+                                   home=cwd, fresh_imports=fresh_imports,
+                                   keep_on_error=keep_on_error)
         result, child = self.cell_runs.run(manifest, request, on_output, cancel)
         answer = result.answer
         self._raise_store_error(answer.error, request.new_name)

@@ -128,7 +128,7 @@ class CellChild:
                                accessed_symbols=sorted(found.reads & names_before),
                                modified_symbols=sorted(modified),
                                deleted_symbols=sorted(deleted))
-        if error is not None:
+        if error is not None and not msg.keep_on_error:
             return None, protocol.CellResult(answer)
         context.watch_attribute_writes(cell.codes, namespace)
         self.channel.send(protocol.Phase("saving"))
