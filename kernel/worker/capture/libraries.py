@@ -11,6 +11,7 @@ imports it.
 import contextlib
 import importlib.abc
 import importlib.util
+import os
 import sys
 
 from kernel.worker.capture import collector, figures, shell
@@ -68,8 +69,19 @@ class _AfterImport(importlib.abc.MetaPathFinder):
         return spec
 
 
+def configure_plotly():
+    """Show plotly figures as ipykernel does: one display of the figure's JSON (the
+    renderer plotly picks in a kernel; in our shell it would pick a second,
+    HTML one too). PLOTLY_RENDERER, when set, still wins."""
+    pio = sys.modules.get("plotly.io")
+    if pio is not None and not os.environ.get("PLOTLY_RENDERER"):
+        with contextlib.suppress(Exception):
+            pio.renderers.default = "plotly_mimetype"
+
+
 # What a worker needs as soon as these are imported.
 _ON_IMPORT = {
+    "plotly.io": configure_plotly,
     "pandas": lambda: configure_pandas(collector.running_settings()),
     "matplotlib": lambda: figures.prepare_matplotlib(collector.running_settings()),
     "IPython": lambda: shell.get_shell(),
