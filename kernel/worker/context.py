@@ -29,6 +29,7 @@ from the display limits the server sets), so a state made before a change
 of the server's configuration does not bring the old configuration back.
 """
 
+import contextlib
 import dis
 import hashlib
 import importlib
@@ -51,10 +52,20 @@ _BASE_PATH = "<base>"
 
 
 def remember_base():
-    """Note the environment and sys.path every worker starts from (in the zygote,
-    before any cell)."""
+    """Note the environment, sys.path and random generator every worker starts from
+    (in the zygote, before any cell)."""
     _BASE["environ"] = dict(os.environ)
     _BASE["path"] = list(sys.path)
+    _BASE["random"] = random.getstate()
+
+
+def remember_generator(module):
+    """Note the global generator of `module` ("numpy", "torch") as it was imported:
+    a state keeps a generator only once a cell drew from it or seeded it (an
+    untouched one, seeded by the OS, is every process's own, as live)."""
+    getter = {"numpy": _numpy_get, "torch": _torch_get}[module]
+    with contextlib.suppress(Exception):
+        _BASE[module] = getter()
     # os.environ's own bytes mapping: comparing it costs a few microseconds, iterating
     # os.environ (which decodes every entry) some 60.
     _BASE["data"] = dict(os.environ._data)
@@ -533,6 +544,12 @@ def _ipython_set(said):
         raise ContextWarning("IPython settings not restored: " + "; ".join(problems))
 
 
+def _touched(name, state):
+    """A generator's state, or None while it is as it was when the process started
+    (or the library was imported): nobody seeded it or drew from it."""
+    return None if _BASE.get(name) == state else state
+
+
 class ContextWarning(Exception):
     """Part of a state's context could not be applied as it was; the message says
     what, for the user."""
@@ -551,9 +568,11 @@ PROVIDERS = [
     Provider("ipython", _ipython_get, _ipython_set),
     # After the magics said again: a cell's "error" filter could fail them.
     Provider("warnings", lambda: list(warnings.filters), _warnings_set),
-    Provider("random", random.getstate, random.setstate),
-    Provider("numpy.random", _numpy_get, _numpy_set, module="numpy"),
-    Provider("torch.random", _torch_get, _torch_set, module="torch"),
+    Provider("random", lambda: _touched("random", random.getstate()), random.setstate),
+    Provider("numpy.random", lambda: _touched("numpy", _numpy_get()), _numpy_set,
+             module="numpy"),
+    Provider("torch.random", lambda: _touched("torch", _torch_get()), _torch_set,
+             module="torch"),
 ]
 _SETTINGS = {}  # the worker's settings, for a restore that runs outside a cell
 
@@ -592,7 +611,8 @@ def keys(context):
 
 def restore(manifest, store, settings):
     """Apply the context of `manifest` to this process, provider by provider; returns
-    (context, warnings): {provider: (key, value)} and what could not be applied."""
+    (context, warnings): {provider: (key, value)} and what could not be applied.
+    StoreCorrupt when a blob of it is damaged."""
     _SETTINGS["settings"] = settings
     kept = manifest.get("context") or {}
     context, problems = {}, []
@@ -602,9 +622,8 @@ def restore(manifest, store, settings):
             continue
         try:
             value = pickle.loads(store.blob(key))
-        except StoreCorrupt as exc:
-            problems.append(f"{provider.name}: {exc}")
-            continue
+        except StoreCorrupt:
+            raise  # damaged bytes: the state cannot be what it was (HTTP 500)
         except Exception as exc:  # a library of another version cannot read it back
             problems.append(f"{provider.name} could not be read back: "
                             f"{type(exc).__name__}: {exc}")

@@ -20,7 +20,7 @@ from kernel.channel import ChannelClosed
 from kernel.worker import context, replay
 from kernel.worker.process import WorkerProcess, core_free, fork_worker
 from storage import snapshot
-from storage.store import encode_manifest
+from storage.store import StoreCorrupt, encode_manifest
 
 # A spare child warms up only after this long without a request (see StateHolder.warm).
 WARM_AFTER_S = 0.05
@@ -125,8 +125,13 @@ class StateHolder(WorkerProcess):
             os._exit(1)
         # Before any value is loaded: the folder, sys.path and the modules imported from
         # files must be in place for the values that refer to them.
-        self.context, self.context_warnings = context.restore(self.manifest, self.store(),
-                                                              self.settings)
+        try:
+            self.context, self.context_warnings = context.restore(
+                self.manifest, self.store(), self.settings)
+        except StoreCorrupt as exc:
+            self.channel.send(protocol.Failed("StoreCorrupt", f"state "
+                                              f"{self.manifest['name']!r}: {exc}"))
+            os._exit(1)
         wake = self.reaper()
         self.channel.send(protocol.Ready(self.manifest["id"]))
         self.serve(wake, self.settings["workers.spare_children"])

@@ -41,6 +41,7 @@ def zygote_main(sock_path, settings):
         prctl(PR_SET_CHILD_SUBREAPER, 1)
         trace.after_fork("zygote")
         _warm(settings)
+        context.remember_base()  # its own random generator: a fork reseeds it
     namespace = fresh_main()
     proc = WorkerProcess(sock_path, settings)
     proc.connect(protocol.ZYGOTE, warm=warm)

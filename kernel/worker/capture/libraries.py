@@ -14,6 +14,7 @@ import importlib.util
 import os
 import sys
 
+from kernel.worker import context
 from kernel.worker.capture import collector, figures, shell
 
 _pandas_done = set()
@@ -82,6 +83,9 @@ def configure_plotly():
 # What a worker needs as soon as these are imported.
 _ON_IMPORT = {
     "plotly.io": configure_plotly,
+    # A generator as imported (seeded by the OS) is not kept (kernel/worker/context.py).
+    "numpy": lambda: context.remember_generator("numpy"),
+    "torch": lambda: context.remember_generator("torch"),
     "pandas": lambda: configure_pandas(collector.running_settings()),
     "matplotlib": lambda: figures.prepare_matplotlib(collector.running_settings()),
     "IPython": lambda: shell.get_shell(),
