@@ -21,7 +21,7 @@ import subprocess
 import sys
 
 from kernel import launch
-from kernel.notebook import files
+from kernel import files
 
 # Parts of a variable name that mark it as a secret (compared without case).
 REFUSED_PARTS = ("SECRET", "TOKEN", "PASSWORD", "KEY", "CREDENTIAL", "PROXY")

@@ -12,7 +12,7 @@ import warnings
 
 import nbformat
 
-from kernel.notebook import files
+from kernel import files
 from kernel.protocol import CellStatus, NotebookCell
 
 

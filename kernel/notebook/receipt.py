@@ -13,7 +13,7 @@ import json
 import fastjsonschema
 
 from kernel import __version__
-from kernel.notebook import files
+from kernel import files
 from kernel.protocol import FRESH_STATUSES, CellStatus
 
 FORMAT = 1

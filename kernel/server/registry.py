@@ -6,7 +6,6 @@ answers metadata questions from manifests alone; requests that run code
 go through the cell runs (cell_runs.py) to children of the live holders.
 """
 
-import hashlib
 import logging
 import os
 import threading
@@ -16,6 +15,7 @@ from kernel import protocol, trace
 from kernel.errors import Conflict, InvalidRequest, RequestFailed, StateNotFound
 from kernel.protocol import ExecuteAnswer
 from kernel.server.pool import Pool
+from kernel.files import sha256_file
 from kernel.server.cell_runs import CellRuns
 from storage import snapshot
 from storage.cache import open_store
@@ -341,17 +341,12 @@ def _local_modules(manifest):
     found = {}
     for module, (path, sha) in sorted((manifest.get("local_modules") or {}).items()):
         try:
-            changed = _file_sha256(path) != sha
+            changed = sha256_file(path) != sha
         except OSError:
             changed = True
         found[module] = {"path": path, "sha256": sha, "changed": changed}
     return found
 
-
-def _file_sha256(path):
-    """Hex SHA-256 of a file's bytes."""
-    with open(path, "rb") as f:
-        return hashlib.sha256(f.read()).hexdigest()
 
 
 def _check_new_name(name):

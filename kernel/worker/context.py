@@ -41,6 +41,7 @@ import sys
 import types
 import warnings
 
+from kernel.files import sha256_file
 from storage.store import StoreCorrupt
 
 # What the zygote had before any cell: the environment and sys.path every worker
@@ -162,15 +163,6 @@ _modules_seen = set()  # names of the modules in sys.modules already looked at
 _local = {}  # module name -> [path, sha256] of those that come from the user's files
 
 
-def file_sha256(path):
-    """Hex SHA-256 of a file's bytes."""
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
-
-
 def _local_get():
     """{module name: [path, sha256]} of the imported modules that come from files of
     the user's (not the interpreter's, an installed distribution's or ours)."""
@@ -184,7 +176,7 @@ def _local_get():
                 real = os.path.realpath(path)
                 if not real.startswith(_ROOTS[0]) and os.path.isfile(real):
                     try:
-                        _local[name] = [real, file_sha256(real)]
+                        _local[name] = [real, sha256_file(real)]
                     except OSError:
                         pass
         _modules_seen.intersection_update(sys.modules)
@@ -200,7 +192,7 @@ def forget_changed_modules():
     _local_get()
     for name, (path, sha) in list(_local.items()):
         try:
-            same = file_sha256(path) == sha
+            same = sha256_file(path) == sha
         except OSError:
             same = False
         if not same:
@@ -216,7 +208,7 @@ def _local_set(modules):
     problems = []
     for name, (path, sha) in sorted(modules.items()):
         try:
-            now = file_sha256(path)
+            now = sha256_file(path)
         except OSError:
             problems.append(f"module {name!r}: its file {path} is gone")
             continue
