@@ -42,6 +42,7 @@ import types
 import warnings
 
 from kernel.files import sha256_file
+from kernel.worker.capture import libraries, shell, streams
 from storage.store import StoreCorrupt
 
 # What the zygote had before any cell: the environment and sys.path every worker
@@ -320,7 +321,6 @@ def _warnings_set(filters):
 
 def _stream_name(stream):
     """"stdout" or "stderr" for the streams a handler can be rebuilt on, else None."""
-    from kernel.worker.capture import streams
     if stream in (sys.stdout, sys.__stdout__, streams.STDOUT):
         return "stdout"
     if stream in (sys.stderr, sys.__stderr__, streams.STDERR):
@@ -359,7 +359,6 @@ def _logging_get():
 
 def _logging_set(value):
     """Set the kept levels and rebuild the kept handlers."""
-    from kernel.worker.capture import streams
     for name, (level, handlers) in value.items():
         logger = logging.getLogger(name or None)
         logger.setLevel(level)
@@ -406,7 +405,6 @@ def _pandas_get():
 def _pandas_set(options):
     """Set the kept pandas options, over the server's display limits."""
     import pandas as pd
-    from kernel.worker.capture import libraries
     libraries.configure_pandas(_SETTINGS.get("settings"))
     for key, value in options.items():
         pd.set_option(key, value)
@@ -516,6 +514,9 @@ def _setting(name, argument):
     return (name, "")
 
 
+shell.magic_listeners.append(note_magic)
+
+
 def _ipython_get():
     """The magics said so far that set IPython's state, oldest first."""
     return list(_ipython_said) or None
@@ -523,7 +524,6 @@ def _ipython_get():
 
 def _ipython_set(said):
     """Say the kept magics again, in the shell the cells use."""
-    from kernel.worker.capture import shell
     ip = shell.get_shell()
     problems = []
     for name, argument in said:
@@ -540,6 +540,11 @@ def _touched(name, state):
     """A generator's state, or None while it is as it was when the process started
     (or the library was imported): nobody seeded it or drew from it."""
     return None if _BASE.get(name) == state else state
+
+
+# A generator as imported (seeded by the OS) is not kept.
+libraries.on_import("numpy", lambda: remember_generator("numpy"))
+libraries.on_import("torch", lambda: remember_generator("torch"))
 
 
 class ContextWarning(Exception):

@@ -14,7 +14,6 @@ import importlib.util
 import os
 import sys
 
-from kernel.worker import context
 from kernel.worker.capture import collector, figures, shell
 
 _pandas_done = set()
@@ -83,13 +82,16 @@ def configure_plotly():
 # What a worker needs as soon as these are imported.
 _ON_IMPORT = {
     "plotly.io": configure_plotly,
-    # A generator as imported (seeded by the OS) is not kept (kernel/worker/context.py).
-    "numpy": lambda: context.remember_generator("numpy"),
-    "torch": lambda: context.remember_generator("torch"),
     "pandas": lambda: configure_pandas(collector.running_settings()),
     "matplotlib": lambda: figures.prepare_matplotlib(collector.running_settings()),
     "IPython": lambda: shell.get_shell(),
 }
+
+
+def on_import(name, then):
+    """Have watch_imports run `then` right after module `name` is first imported too
+    (called before it)."""
+    _ON_IMPORT.setdefault(name, then)
 
 
 def watch_imports():

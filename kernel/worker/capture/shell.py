@@ -14,8 +14,11 @@ import os
 import sys
 import threading
 
-from kernel.worker import context
 from kernel.worker.capture import collector, figures
+
+# Called with (magic name, line) after each line magic a cell runs (kernel/worker/
+# context.py keeps the ones that set IPython's state).
+magic_listeners = []
 
 _shell = None  # created on first use
 _lent = None  # the shell's own (user_ns, user_module) while a cell's namespace is lent to it
@@ -128,8 +131,8 @@ def _make_shell():
                 _configure_inline_backend(self)
             with _hidden_names(self):
                 result = super().run_line_magic(magic_name, line, _stack_depth + 1)
-            # IPython's own settings are part of the state (kernel/worker/context.py).
-            context.note_magic(magic_name, line)
+            for listener in magic_listeners:
+                listener(magic_name, line)
             return result
 
         def run_cell_magic(self, magic_name, line, cell):
