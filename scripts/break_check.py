@@ -1,0 +1,178 @@
+"""Check that tests can fail: break the behaviour a test guards, run it, expect a failure.
+
+Each breakage below names what it breaks (one or more exact text substitutions
+in the product code) and the tests that guard that behaviour. For each one
+asked for, this script copies the working tree (uncommitted changes included)
+to a scratch folder, applies the breakage there, runs the tests with pytest
+in that copy, and reports whether they failed. The tree itself is never
+touched.
+
+    python scripts/break_check.py --list
+    python scripts/break_check.py interrupt-no-sigint maker-death-unnoticed
+    python scripts/break_check.py --all  [--markdown]
+
+A breakage whose text is no longer found in the code is reported as
+"stale" (the code moved on: update the breakage). A test run that goes past
+--timeout counts as a hang, which is a finding too: the tests are meant to
+fail within their own deadlines, not hang.
+"""
+
+import argparse
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+class Breakage:
+    """A named change that breaks one behaviour, and the tests that must then fail."""
+
+    def __init__(self, name, what, edits, tests):
+        """`edits`: [(path, old text, new text)], each old text found exactly once."""
+        self.name = name
+        self.what = what
+        self.edits = edits
+        self.tests = tests
+
+
+B = Breakage
+BREAKAGES = [
+    # tests/test_processes.py ------------------------------------------------------
+    B("interrupt-no-sigint", "/interrupt sends no SIGINT (only the SIGKILL after the grace)",
+      [("kernel/server/supervisor.py", "            os.kill(run.child.pid, signal.SIGINT)\n",
+        "            pass\n")],
+      ["tests/test_processes.py::test_interrupt_stops_sleep"]),
+    B("interrupt-no-sigkill", "no SIGKILL after interrupt_grace_s",
+      [("kernel/server/supervisor.py",
+        "        if run.phase == \"running\" and run.child.alive:\n            run.child.kill()\n",
+        "        pass\n")],
+      ["tests/test_processes.py::test_interrupt_escalates_to_sigkill"]),
+    B("exec-id-no-conflict", "a running exec_id is not refused",
+      [("kernel/server/supervisor.py",
+        "            if key is not None and key in self.running:\n",
+        "            if False:\n")],
+      ["tests/test_processes.py::test_exec_id_already_running_is_409"]),
+    B("runs-serialised", "one request runs at a time (a lock around every run)",
+      [("kernel/server/supervisor.py", "class Run:\n",
+        "_SERIAL = threading.Lock()\n\n\nclass Run:\n"),
+       ("kernel/server/supervisor.py", "        key = request.exec_id\n        run = Run(key)\n",
+        "        key = request.exec_id\n        run = Run(key)\n        _SERIAL.acquire()\n"),
+       ("kernel/server/supervisor.py",
+        "        finally:\n            with self.lock:\n                if key is not None:\n"
+        "                    self.running.pop(key, None)\n",
+        "        finally:\n            _SERIAL.release()\n            with self.lock:\n"
+        "                if key is not None:\n                    self.running.pop(key, None)\n")],
+      ["tests/test_processes.py::test_two_executions_from_one_state_run_in_parallel"]),
+    B("maker-death-unnoticed", "a state's maker found dead does not shorten the wait for "
+                               "its holder (worker_start_timeout_s is waited out)",
+      [("kernel/server/pool.py",
+        "                live.deadline = min(live.deadline, time.monotonic() + "
+        "HOLDER_AFTER_MAKER_S)\n", "                pass\n")],
+      ["tests/test_processes.py::"
+       "test_state_whose_maker_died_before_forking_its_holder_is_restored_soon"]),
+    B("spare-not-deferred", "the spare replacing the child that made a state is forked at "
+                            "once, not at the quiet moment",
+      [("kernel/server/pool.py", "                self.owed_when_quiet.add(live)\n",
+        "                live.ask_fork(now=False)\n")],
+      ["tests/test_processes.py::"
+       "test_state_run_again_before_the_quiet_moment_gets_its_spare_at_once"]),
+    B("owed-spares-oldest-first", "owed spares come in the order states were used, not "
+                                  "last used first",
+      [("kernel/server/pool.py", "        for live in reversed(self.live.values()):\n",
+        "        for live in list(self.live.values()):\n")],
+      ["tests/test_processes.py::"
+       "test_spares_owed_after_a_run_in_order_come_one_at_a_time_last_used_first"]),
+]
+
+
+def scratch_copy():
+    """A copy of the working tree in a new temporary folder (no .git, no stores)."""
+    folder = tempfile.mkdtemp(prefix="break-check-")
+    tree = os.path.join(folder, "tree")
+    shutil.copytree(ROOT, tree, ignore=shutil.ignore_patterns(
+        ".git", "__pycache__", "*.pyc", ".pytest_cache", "data", "*.egg-info"))
+    return folder, tree
+
+
+def apply(tree, breakage):
+    """Apply the breakage's edits in `tree`; the first edit whose text is missing, or None."""
+    for path, old, new in breakage.edits:
+        full = os.path.join(tree, path)
+        with open(full) as f:
+            text = f.read()
+        if text.count(old) != 1:
+            return f"{path}: text found {text.count(old)} times: {old.strip()[:60]!r}"
+        with open(full, "w") as f:
+            f.write(text.replace(old, new))
+    return None
+
+
+def check(breakage, timeout):
+    """Run the breakage's tests on a broken copy: (verdict, seconds, output tail)."""
+    folder, tree = scratch_copy()
+    started = time.monotonic()
+    try:
+        stale = apply(tree, breakage)
+        if stale:
+            return "stale", 0.0, stale
+        # `python -m pytest` puts the copy first on sys.path, so the tests, the servers
+        # they start (cwd = the copy) and their workers all run the broken code.
+        try:
+            run = subprocess.run([sys.executable, "-m", "pytest", "-x", "-q", "-p",
+                                  "no:cacheprovider", *breakage.tests], cwd=tree,
+                                 capture_output=True, text=True, timeout=timeout)
+        except subprocess.TimeoutExpired as exc:
+            out = (exc.stdout or b"").decode(errors="replace") if isinstance(
+                exc.stdout, bytes) else (exc.stdout or "")
+            return "hung", time.monotonic() - started, out[-1500:]
+        verdict = "failed" if run.returncode == 1 else (
+            "passed" if run.returncode == 0 else f"error (pytest exit {run.returncode})")
+        return verdict, time.monotonic() - started, (run.stdout + run.stderr)[-1500:]
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def main():
+    """Run the breakages asked for; exit 1 unless every test failed as it should."""
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("names", nargs="*", help="breakages to check (see --list)")
+    parser.add_argument("--all", action="store_true", help="check every breakage")
+    parser.add_argument("--list", action="store_true", help="list the breakages")
+    parser.add_argument("--timeout", type=float, default=600,
+                        help="seconds a breakage's test run may take before it counts as a hang")
+    parser.add_argument("--markdown", action="store_true", help="print a table at the end")
+    parser.add_argument("-v", "--verbose", action="store_true", help="print each run's output")
+    args = parser.parse_args()
+    known = {b.name: b for b in BREAKAGES}
+    if args.list:
+        for b in BREAKAGES:
+            print(f"{b.name}: {b.what}\n    " + "\n    ".join(b.tests))
+        return 0
+    chosen = BREAKAGES if args.all else [known[n] for n in args.names]
+    if not chosen:
+        parser.error("name breakages, or --all")
+    rows = []
+    for b in chosen:
+        verdict, seconds, out = check(b, args.timeout)
+        rows.append((b, verdict))
+        print(f"{b.name}: tests {verdict} ({seconds:.0f} s)", flush=True)
+        for line in out.splitlines():
+            if line.startswith("FAILED "):  # how it failed, to see it failed for the cause
+                print("    " + line[:300])
+        if args.verbose or verdict != "failed":
+            print("    " + out.replace("\n", "\n    "))
+    if args.markdown:
+        print("\n| test | breakage | failed |\n|---|---|---|")
+        for b, verdict in rows:
+            for test in b.tests:
+                print(f"| {test.split('::', 1)[-1]} | {b.what} | "
+                      f"{'yes' if verdict == 'failed' else 'NO: ' + verdict} |")
+    return 0 if all(v == "failed" for _, v in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
