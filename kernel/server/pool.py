@@ -18,7 +18,7 @@ import sys
 import threading
 import time
 
-from kernel import protocol
+from kernel import protocol, trace
 from kernel.config import ROOT
 from kernel.server.connections import Connections
 
@@ -200,6 +200,7 @@ class Pool:
                     for live in [s for s in self.live.values() if s.cold]:
                         del self.live[live.state_id]
                         self._stop(live)
+                trace.stamp("zygote", "warm" if hello.warm else "cold")  # read by tests
             elif hello.role == protocol.HOLDER and hello.req is not None:
                 waiter = self.restores_waiting.pop(hello.req, None)
                 if waiter is None:
