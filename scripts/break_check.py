@@ -106,6 +106,27 @@ BREAKAGES = [
       [("kernel/server/registry.py", "            if generation != self.generation:\n"
         "                child.kill()\n", "            if False:\n                child.kill()\n")],
       ["tests/test_races.py::test_cells_finishing_after_a_reset_say_their_state_was_discarded"]),
+    # tests/test_security.py -----------------------------------------------------------
+    B("no-auth-refused-on-loopback", "--no-auth is refused on a loopback bind too",
+      [("main.py", "    if not args.token and not (args.no_auth and _is_loopback(host)):\n",
+        "    if not args.token:\n")],
+      ["tests/test_security.py::test_refuses_a_network_bind_without_a_token"]),
+    B("no-auth-on-any-bind", "--no-auth is accepted on a network bind",
+      [("main.py", "    if not args.token and not (args.no_auth and _is_loopback(host)):\n",
+        "    if not args.token and not args.no_auth:\n")],
+      ["tests/test_security.py::test_refuses_a_network_bind_without_a_token"]),
+    B("tls-handshake-in-accept-loop", "the TLS handshake runs in cheroot's accept loop",
+      [("main.py", "tls = self.context.wrap_socket(sock, do_handshake_on_connect=False,",
+        "tls = self.context.wrap_socket(sock, do_handshake_on_connect=True,")],
+      ["tests/test_security.py::test_tls_with_a_self_signed_certificate"]),
+    B("idle-connection-takes-a-thread", "a new connection goes to a worker thread at once",
+      [("main.py", "            if not getattr(conn, \"snapk_waited\", False):\n",
+        "            if False:\n")],
+      ["tests/test_security.py::test_idle_clients_hold_no_thread"]),
+    B("no-socket-timeout", "client sockets never time out (socket_timeout_s ignored)",
+      [("main.py", "timeout=s[\"server.socket_timeout_s\"], request_queue_size=128)",
+        "timeout=None, request_queue_size=128)")],
+      ["tests/test_security.py::test_half_sent_requests_hold_a_thread_only_for_socket_timeout_s"]),
 ]
 
 
