@@ -127,6 +127,17 @@ BREAKAGES = [
       [("main.py", "timeout=s[\"server.socket_timeout_s\"], request_queue_size=128)",
         "timeout=None, request_queue_size=128)")],
       ["tests/test_security.py::test_half_sent_requests_hold_a_thread_only_for_socket_timeout_s"]),
+    # tests/test_fuzz.py ---------------------------------------------------------------
+    B("state-names-unbounded", "state names of any length pass the request checks",
+      [("api/openapi.py", '"type": "string", "minLength": 1, "maxLength": MAX_NAME,',
+        '"type": "string", "minLength": 1,')],
+      ["tests/test_fuzz.py::test_huge_strings_and_deep_nesting_in_every_field"]),
+    B("header-size-limit", "cheroot refuses requests with headers over 64 KiB (a long token "
+                           "gets no JSON 401)",
+      [("main.py", "timeout=s[\"server.socket_timeout_s\"], request_queue_size=128)\n",
+        "timeout=s[\"server.socket_timeout_s\"], request_queue_size=128)\n"
+        "    server.max_request_header_size = 65536\n")],
+      ["tests/test_fuzz.py::test_huge_tokens_headers_and_lengths"]),
 ]
 
 
