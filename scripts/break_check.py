@@ -138,6 +138,21 @@ BREAKAGES = [
         "timeout=s[\"server.socket_timeout_s\"], request_queue_size=128)\n"
         "    server.max_request_header_size = 65536\n")],
       ["tests/test_fuzz.py::test_huge_tokens_headers_and_lengths"]),
+    # tests/test_store.py, tests/test_gc_store.py --------------------------------------
+    B("write-behind", "a new state is written to the store 30 s after its answer",
+      [("storage/snapshot.py", "    store.write_state(manifest[\"name\"], manifest, payloads)\n",
+        "    __import__('threading').Timer(30, store.write_state, args=(\n"
+        "        manifest[\"name\"], manifest, payloads)).start()\n")],
+      ["tests/test_store.py::test_sigkill_during_executions_loses_no_answered_state"]),
+    B("other-python-loaded", "a state pickled by another Python is loaded, not refused",
+      [("storage/snapshot.py",
+        "    if manifest.get(\"python\", PYTHON) != PYTHON and manifest[\"groups\"]:\n",
+        "    if False:\n")],
+      ["tests/test_store.py::test_state_from_another_python_is_refused_clearly"]),
+    B("gc-age-ignored", "gc_states.py --older-than deletes states of any age",
+      [("scripts/gc_states.py", "                      if (created_at(m) or now) < cutoff}\n",
+        "                      if True}\n")],
+      ["tests/test_gc_store.py::test_older_than_deletes_old_states_only"]),
 ]
 
 
