@@ -153,6 +153,27 @@ BREAKAGES = [
       [("scripts/gc_states.py", "                      if (created_at(m) or now) < cutoff}\n",
         "                      if True}\n")],
       ["tests/test_gc_store.py::test_older_than_deletes_old_states_only"]),
+    # tests/test_faults.py -------------------------------------------------------------
+    B("no-cell-timeout", "cell_timeout_s is not enforced",
+      [("kernel/server/supervisor.py",
+        "        if timeout and time.monotonic() - run.started > timeout:\n",
+        "        if False:\n")],
+      ["tests/test_faults.py::test_cell_over_cell_timeout_s_is_timeout"]),
+    B("no-memory-watchdog", "the watchdog on a cell's private memory is off",
+      [("kernel/server/supervisor.py",
+        "        elif max_mem and private_bytes(run.child.pid) > max_mem:\n",
+        "        elif False:\n")],
+      ["tests/test_faults.py::test_memory_watchdog_catches_copy_on_write_growth"]),
+    B("no-process-watchdog", "the watchdog on a cell's process count is off",
+      [("kernel/server/supervisor.py",
+        "        elif max_procs and group_processes(run.child.pid) > max_procs + 1:\n",
+        "        elif False:\n")],
+      ["tests/test_faults.py::test_cell_forking_many_processes_is_bounded"]),
+    B("holder-leaves-its-leftovers", "a holder that exits leaves its cells' processes running",
+      [("kernel/worker/holder.py", "            os.killpg(os.getpid(), signal.SIGKILL)\n",
+        "            pass\n")],
+      ["tests/test_faults.py::test_leftover_threads_and_processes_reaped_on_delete",
+       "tests/test_faults.py::test_leftover_processes_reaped_on_eviction"]),
 ]
 
 
