@@ -164,14 +164,20 @@ BREAKAGES = [
         "        elif max_mem and private_bytes(run.child.pid) > max_mem:\n",
         "        elif False:\n")],
       ["tests/test_faults.py::test_memory_watchdog_catches_copy_on_write_growth"]),
-    B("no-process-watchdog", "the watchdog on a cell's process count is off",
-      [("kernel/server/supervisor.py",
+    B("no-process-limit", "no pids cgroup (as on a machine without one) and the watchdog on "
+                          "a cell's process count off",
+      [("kernel/worker/limits.py", "    if not os.path.isdir(_CGROUP_V1_PIDS):\n        return None\n",
+        "    return None\n"),
+       ("kernel/server/supervisor.py",
         "        elif max_procs and group_processes(run.child.pid) > max_procs + 1:\n",
         "        elif False:\n")],
       ["tests/test_faults.py::test_cell_forking_many_processes_is_bounded"]),
-    B("holder-leaves-its-leftovers", "a holder that exits leaves its cells' processes running",
-      [("kernel/worker/holder.py", "            os.killpg(os.getpid(), signal.SIGKILL)\n",
-        "            pass\n")],
+    B("kill-spares-not-their-group", "a stopped worker is killed alone, not with its process "
+                                     "group (what its cells left running)",
+      [("kernel/server/connections.py",
+        "        for target in (lambda: os.killpg(self.pid, signal.SIGKILL),\n"
+        "                       lambda: os.kill(self.pid, signal.SIGKILL)):\n",
+        "        for target in (lambda: os.kill(self.pid, signal.SIGKILL),):\n")],
       ["tests/test_faults.py::test_leftover_threads_and_processes_reaped_on_delete",
        "tests/test_faults.py::test_leftover_processes_reaped_on_eviction"]),
 ]

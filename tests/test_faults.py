@@ -109,7 +109,10 @@ def test_memory_limit_counts_the_cells_memory_not_the_states(limited):
 def test_memory_watchdog_catches_copy_on_write_growth(limited):
     # Writing to inherited pages adds no address space (RLIMIT_AS cannot see it) but
     # makes them the cell's own: the watchdog on private memory stops it.
-    limited.execute("import numpy as np\na = np.ones(20_000_000)", new="f-cow1")
+    # numpy is imported in a cell of its own, as above (run alone, this test's first cells
+    # run in workers forked before the warm zygote is up).
+    limited.execute("import numpy as np", new="f-cow0")
+    limited.execute("a = np.ones(20_000_000)", state="f-cow0", new="f-cow1")
     limited.execute("b = np.ones(20_000_000)", state="f-cow1", new="f-cow2")
     # The cell never ends on its own: only the watchdog (or cell_timeout_s, a failure
     # here) stops it.
