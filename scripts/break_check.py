@@ -180,6 +180,11 @@ BREAKAGES = [
         "        for target in (lambda: os.kill(self.pid, signal.SIGKILL),):\n")],
       ["tests/test_faults.py::test_leftover_threads_and_processes_reaped_on_delete",
        "tests/test_faults.py::test_leftover_processes_reaped_on_eviction"]),
+    # tests/test_stream.py -------------------------------------------------------------
+    B("no-streaming", "a streamed cell's outputs are held back until its answer",
+      [("kernel/worker/child.py", "        if not msg.stream:\n            return None\n",
+        "        return None\n")],
+      ["tests/test_stream.py::test_first_output_arrives_before_the_cell_ends"]),
 ]
 
 
