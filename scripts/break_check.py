@@ -185,6 +185,22 @@ BREAKAGES = [
       [("kernel/worker/child.py", "        if not msg.stream:\n            return None\n",
         "        return None\n")],
       ["tests/test_stream.py::test_first_output_arrives_before_the_cell_ends"]),
+    # tests/test_notebooks.py ----------------------------------------------------------
+    B("reuse-runs-again", "a notebook run executes cells it has results for (and still "
+                          "calls them reused)",
+      [("kernel/notebook/runner.py", "            if i not in plan.run:\n",
+        "            if False:\n"),
+       ("kernel/notebook/runner.py", "            done(i, status=\"ran\", took_s=took, ",
+        "            done(i, status=\"reused\" if i not in plan.run else \"ran\", "
+        "took_s=took, ")],
+      ["tests/test_notebooks.py::test_a_second_run_runs_nothing_also_after_a_restart"]),
+    B("interrupt-ignored", "/interrupt says it interrupted but stops nothing",
+      [("kernel/server/supervisor.py",
+        "        self._stop(run, \"KeyboardInterrupt\",\n"
+        "                   \"the cell did not stop on SIGINT and was killed after "
+        "interrupt_grace_s\")\n", "")],
+      ["tests/test_notebooks.py::test_interrupting_a_run_stops_its_cell_and_the_run",
+       "tests/test_processes.py::test_interrupt_stops_sleep"]),
 ]
 
 
