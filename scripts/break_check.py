@@ -158,7 +158,8 @@ BREAKAGES = [
       [("kernel/server/supervisor.py",
         "        if timeout and time.monotonic() - run.started > timeout:\n",
         "        if False:\n")],
-      ["tests/test_faults.py::test_cell_over_cell_timeout_s_is_timeout"]),
+      ["tests/test_faults.py::test_cell_over_cell_timeout_s_is_timeout",
+       "tests/test_fresh.py::test_cell_timeout"]),
     B("no-memory-watchdog", "the watchdog on a cell's private memory is off",
       [("kernel/server/supervisor.py",
         "        elif max_mem and private_bytes(run.child.pid) > max_mem:\n",
@@ -201,6 +202,14 @@ BREAKAGES = [
         "interrupt_grace_s\")\n", "")],
       ["tests/test_notebooks.py::test_interrupting_a_run_stops_its_cell_and_the_run",
        "tests/test_processes.py::test_interrupt_stops_sleep"]),
+    # tests/test_fresh.py, tests/test_fresh_run.py ------------------------------------
+    B("no-run-deadline", "a fresh run's deadline is not enforced",
+      [("kernel/notebook/fresh.py", "                elif now > deadline and kill_at is None:\n",
+        "                elif False:\n")],
+      ["tests/test_fresh.py::test_run_deadline_stops_a_cell_that_ignores_interrupts"]),
+    B("no-memory-fuse", "a fresh run's memory fuse never blows",
+      [("kernel/notebook/fresh.py", "                if memory > fuse:\n", "                if False:\n")],
+      ["tests/test_fresh_run.py::test_memory_fuse"]),
 ]
 
 
