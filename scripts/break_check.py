@@ -32,7 +32,8 @@ class Breakage:
     """A named change that breaks one behaviour, and the tests that must then fail."""
 
     def __init__(self, name, what, edits, tests):
-        """`edits`: [(path, old text, new text)], each old text found exactly once."""
+        """`edits`: [(path, old text, new text)], each old text found exactly once, or
+        ("copy", source path, target path)."""
         self.name = name
         self.what = what
         self.edits = edits
@@ -210,6 +211,16 @@ BREAKAGES = [
     B("no-memory-fuse", "a fresh run's memory fuse never blows",
       [("kernel/notebook/fresh.py", "                if memory > fuse:\n", "                if False:\n")],
       ["tests/test_fresh_run.py::test_memory_fuse"]),
+    # tests/test_fidelity.py, tests/test_api.py ---------------------------------------
+    B("fidelity-notebook-duplicated", "one fidelity notebook is a copy of another",
+      [("copy", "tests/notebooks/06_magics.ipynb", "tests/notebooks/07_interleaved_output.ipynb")],
+      ["tests/test_fidelity.py::test_there_are_enough_notebooks"]),
+    B("bearer-ignored", "the Authorization: Bearer header is not read",
+      [("main.py", "    if header.startswith(\"Bearer \"):\n", "    if False:\n")],
+      ["tests/test_api.py::test_bearer_header_accepted"]),
+    B("unknown-route-not-json", "an unknown route is answered by bottle's HTML page",
+      [("main.py", "@app.error(404)\n", "")],
+      ["tests/test_api.py::test_unknown_route_and_method_are_json"]),
 ]
 
 
@@ -223,8 +234,14 @@ def scratch_copy():
 
 
 def apply(tree, breakage):
-    """Apply the breakage's edits in `tree`; the first edit whose text is missing, or None."""
+    """Apply the breakage's edits in `tree`; the first edit whose text is missing, or None.
+
+    An edit ("copy", source, target) copies a file over another instead.
+    """
     for path, old, new in breakage.edits:
+        if path == "copy":
+            shutil.copyfile(os.path.join(tree, old), os.path.join(tree, new))
+            continue
         full = os.path.join(tree, path)
         with open(full) as f:
             text = f.read()

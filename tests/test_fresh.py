@@ -142,7 +142,10 @@ def test_failed_assertion_promotes_nothing(tmp_path):
 
 
 def test_cell_timeout(tmp_path):
-    run = Run(tmp_path, ["import time\ntime.sleep(3600)"], "--cell-timeout", "1")
+    # The run's deadline (2 minutes) is the backstop: a cell timeout that fails shows as
+    # RUN_TIMEOUT.
+    run = Run(tmp_path, ["import time\ntime.sleep(3600)"], "--cell-timeout", "1",
+              "--timeout", "120")
     r = run.failed("CELL_TIMEOUT")
     assert r["cells"][0]["category"] == "CELL_TIMEOUT"
     assert r["limits"]["cell_timeout_s"] == 1
