@@ -221,6 +221,23 @@ BREAKAGES = [
     B("unknown-route-not-json", "an unknown route is answered by bottle's HTML page",
       [("main.py", "@app.error(404)\n", "")],
       ["tests/test_api.py::test_unknown_route_and_method_are_json"]),
+    # tests/test_remote.py, tests/test_bench.py ----------------------------------------
+    B("name-not-compare-and-swap", "a server rebinds a name on the remote without "
+                                   "If-Match (the last writer wins silently)",
+      [("storage/remote.py",
+        "        condition = {\"IfMatch\": etag} if etag else {\"IfNoneMatch\": \"*\"}\n",
+        "        condition = {}\n")],
+      ["tests/test_remote.py::test_rebinding_race_between_two_servers"]),
+    B("ipykernel-peer-interrupt-ignored", "the bench's ipykernel peer sends no interrupt",
+      [("scripts/bench/peers.py", "        \"\"\"SIGINT the kernel, as a front end's interrupt "
+        "button does.\"\"\"\n        self.manager.interrupt_kernel()\n",
+        "        \"\"\"SIGINT the kernel, as a front end's interrupt button does.\"\"\"\n")],
+      ["tests/test_bench.py::test_ipykernel_peer_runs_cells_interrupts_and_resets"]),
+    B("ipykernel-fd-output-undrained", "the fidelity reference kernels do not wait for "
+                                       "their fd-level output (the drain is off)",
+      [("tests/test_fidelity.py", "    get_ipython().events.register(\"post_run_cell\", drain)\n",
+        "")],
+      ["tests/test_fidelity.py::test_notebook_matches_jupyter"]),
 ]
 
 

@@ -9,7 +9,7 @@ import tempfile
 import psutil
 import pytest
 
-from conftest import in_thread, wait_for
+from conftest import asleep, in_thread, wait_for
 from kernel import proctable, trace
 
 
@@ -21,17 +21,6 @@ def run_async(server, body):
         assert r.status_code == 200, r.text
         return r.json()
     return in_thread(post)
-
-
-def asleep(pid):
-    """True while process `pid` is blocked in time.sleep's system call: a SIGINT sent
-    then interrupts the sleep itself (one sent a moment before the call would be
-    noticed only after it returned)."""
-    try:
-        with open(f"/proc/{pid}/wchan") as f:
-            return "nanosleep" in f.read()
-    except OSError:
-        return False
 
 
 def test_interrupt_stops_sleep(server, gate):
