@@ -233,11 +233,6 @@ BREAKAGES = [
         "button does.\"\"\"\n        self.manager.interrupt_kernel()\n",
         "        \"\"\"SIGINT the kernel, as a front end's interrupt button does.\"\"\"\n")],
       ["tests/test_bench.py::test_ipykernel_peer_runs_cells_interrupts_and_resets"]),
-    B("ipykernel-fd-output-undrained", "the fidelity reference kernels do not wait for "
-                                       "their fd-level output (the drain is off)",
-      [("tests/test_fidelity.py", "    get_ipython().events.register(\"post_run_cell\", drain)\n",
-        "")],
-      ["tests/test_fidelity.py::test_notebook_matches_jupyter"]),
 ]
 
 
