@@ -182,12 +182,18 @@ class S3:
         self.client.create_bucket(Bucket=name)
         return name
 
-    def config(self, bucket, durability="sync", extra=""):
-        """A config.toml for a server on s3://BUCKET/states, quick to notice a dead remote."""
+    def config(self, bucket, durability="sync", extra="", timeout_s=10.0):
+        """A config.toml for a server on s3://BUCKET/states: one try per request, a
+        look at the names on every request, and waits for the remote long enough for
+        a loaded machine (moto is a Python server: an 8 MB blob under load took over
+        the 1 s timeout this had, and the names a look slower than remote_list_wait_s
+        found came a request late). A paused remote is noticed after `timeout_s`: the
+        tests that pause it make that shorter (their requests while it runs are small)."""
         return (f'[store]\nremote = "s3://{bucket}/states"\n'
                 f'remote_endpoint = "{self.endpoint}"\ndurability = "{durability}"\n'
-                f"remote_refresh_s = 0.0\nremote_timeout_s = 1.0\nremote_attempts = 1\n"
-                f"remote_retry_s = 0.2\n{extra}")
+                f"remote_refresh_s = 0.0\nremote_timeout_s = {timeout_s}\n"
+                f"remote_attempts = 1\nremote_list_wait_s = 30.0\nremote_retry_s = 0.2\n"
+                f"{extra}")
 
     def objects(self, bucket, under):
         """{key below `under`: object listing entry} of a bucket."""

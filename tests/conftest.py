@@ -4,10 +4,13 @@ Starting and stopping the process is scripts/harness.py's `Server`, which the
 scripts share; this module adds an HTTP client made for assertions.
 """
 
+import concurrent.futures
 import itertools
 import os
 import subprocess
 import sys
+import threading
+import time
 
 import pytest
 import requests
@@ -16,6 +19,111 @@ import harness  # scripts/harness.py: pyproject's pytest `pythonpath` puts scrip
 from harness import ROOT, S3, TOKEN, free_port  # noqa: F401 (the tests import them here)
 
 _ids = itertools.count()
+
+
+def wait_for(condition, what, timeout=60):
+    """Wait until condition() is true and return its value; fail naming `what` if it is
+    not within `timeout` seconds.
+
+    The deadline only bounds a wait for something that must happen, and is generous: a
+    loaded machine makes the wait longer, never the test fail. A test asserts the
+    condition it waited for, never how long that took.
+    """
+    deadline = time.monotonic() + timeout
+    while True:
+        value = condition()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+        time.sleep(0.02)  # a poll interval: the condition, not this, is what is waited for
+
+
+def asleep(pid):
+    """True while process `pid` is blocked in time.sleep's system call (Linux's
+    /proc/PID/wchan): a SIGINT sent then interrupts the sleep itself, where one sent a
+    moment before the call would be noticed only after the call returned."""
+    try:
+        with open(f"/proc/{pid}/wchan") as f:
+            return "nanosleep" in f.read()
+    except FileNotFoundError:  # the process is gone: not asleep
+        return False
+
+
+def in_thread(fn, *args, **kw):
+    """Run fn(*args, **kw) in a daemon thread; a Future whose result(timeout) returns what
+    it returned or raises what it raised, so no failure in a thread goes unseen."""
+    future = concurrent.futures.Future()
+
+    def run():
+        """The thread: hand the outcome to the future."""
+        try:
+            future.set_result(fn(*args, **kw))
+        except BaseException as exc:  # noqa: B036 (handed to the test, which re-raises it)
+            future.set_exception(exc)
+
+    threading.Thread(target=run, daemon=True).start()
+    return future
+
+
+class Gate:
+    """A point a cell waits at until the test opens it: stages a race without a sleep.
+
+    `code` is cell source that appends the process id to a file, then waits until the
+    test calls `open`; `arrived(n)` waits until `n` processes are waiting there. It binds
+    no name in the cell's namespace. The gate is opened at the end of the test whatever
+    happens (the `gate` fixture), so no cell is left waiting.
+    """
+
+    def __init__(self, folder, name="gate"):
+        """A closed gate whose files live in `folder`."""
+        self.arrivals_path = os.path.join(str(folder), f"{name}.arrived")
+        self.go_path = os.path.join(str(folder), f"{name}.go")
+        if os.path.exists(self.go_path):
+            os.unlink(self.go_path)
+        # Cell source: say "here" (the pid, one line), then wait for the test.
+        self.arrive_code = (f"__import__('pathlib').Path({self.arrivals_path!r}).open('a')"
+                            f".write(str(__import__('os').getpid()) + '\\n')\n")
+        self.code = (self.arrive_code +
+                     f"while not __import__('os').path.exists({self.go_path!r}):\n"
+                     f"    __import__('time').sleep(0.01)\n")
+
+    def indented(self, prefix):
+        """`code` for a block indented by `prefix`."""
+        return "".join(prefix + line + "\n" for line in self.code.splitlines())
+
+    def pids(self):
+        """Process ids of those that arrived at the gate, in order of arrival."""
+        try:
+            with open(self.arrivals_path) as f:
+                return [int(line) for line in f.read().split()]
+        except FileNotFoundError:
+            return []
+
+    def arrived(self, count=1, timeout=60):
+        """Wait until `count` processes wait at the gate; their pids."""
+        return wait_for(lambda: len(self.pids()) >= count and self.pids(),
+                        f"{count} cell(s) to reach the gate {self.go_path}", timeout)
+
+    def open(self):
+        """Let every process waiting at the gate (and any arriving later) through."""
+        with open(self.go_path, "w"):
+            pass
+
+
+@pytest.fixture
+def gate(tmp_path):
+    """Make closed gates (`gate()` or `gate("name")`); all are opened at the test's end."""
+    made = []
+
+    def make(name="gate"):
+        """A new closed gate."""
+        made.append(Gate(tmp_path, name))
+        return made[-1]
+
+    yield make
+    for one in made:
+        one.open()
 
 
 class Server(harness.Server):

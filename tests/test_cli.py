@@ -4,12 +4,11 @@ import os
 import signal
 import subprocess
 import sys
-import time
 
 import psutil
 import requests
 
-from conftest import ROOT, free_port
+from conftest import ROOT, free_port, wait_for
 
 
 def start(args, env=None):
@@ -19,17 +18,16 @@ def start(args, env=None):
                             env=dict(os.environ, **(env or {})))
 
 
-def wait_health(url, proc, timeout=30):
-    """Wait for /health, failing if the process exits."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
+def wait_health(url, proc, timeout=60):
+    """Wait for /health, failing at once if the process exits."""
+    def up():
+        """/health's answer, or None while nothing listens."""
         assert proc.poll() is None, proc.stderr.read().decode()
         try:
-            if requests.get(url + "/health", timeout=1).ok:
-                return
-        except requests.ConnectionError:
-            time.sleep(0.05)
-    raise AssertionError("server did not come up")
+            return requests.get(url + "/health", timeout=5).json()
+        except requests.ConnectionError:  # not listening yet
+            return None
+    assert wait_for(up, "the server to answer /health", timeout) == {"status": "ok"}
 
 
 def stop(proc):
@@ -114,8 +112,8 @@ def test_bottle_command_line_form(tmp_path):
         assert workers
     finally:
         stop(proc)
-    _, alive = psutil.wait_procs(workers, timeout=10)
-    assert not alive
+    _, alive = psutil.wait_procs(workers, timeout=60)
+    assert not alive, [p.pid for p in alive]
 
 
 def test_default_store_is_in_the_users_data_folder(tmp_path):

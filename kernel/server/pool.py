@@ -17,7 +17,7 @@ import subprocess
 import threading
 import time
 
-from kernel import launch, protocol
+from kernel import launch, protocol, trace
 from kernel.server.connections import Connections
 from kernel.worker.process import worker_env
 
@@ -203,6 +203,7 @@ class Pool:
                     for live in [s for s in self.live.values() if s.cold]:
                         del self.live[live.state_id]
                         self._stop(live)
+                trace.stamp("zygote", "warm" if hello.warm else "cold")  # read by tests
             elif hello.role == protocol.HOLDER and hello.req is not None:
                 waiter = self.restores_waiting.pop(hello.req, None)
                 if waiter is None:

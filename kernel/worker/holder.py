@@ -171,6 +171,7 @@ class StateHolder(WorkerProcess):
 
     def fork_child(self):
         """Fork a spare child that waits, warmed, for a request to run."""
+        trace.stamp("spare", self.manifest["name"])  # tests read which holder forked when
         # Objects inherited from now on are out of the cyclic GC's reach in the child,
         # so a collection there does not write to (and copy) every page of the state.
         gc.freeze()
