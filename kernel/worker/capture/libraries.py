@@ -41,12 +41,12 @@ def configure_pandas(settings):
 
 
 class _AfterImport(importlib.abc.MetaPathFinder):
-    """Runs `then` right after module `name` is first imported, then leaves sys.meta_path."""
+    """Runs the functions of _ON_IMPORT[name] right after module `name` is first
+    imported (those added meanwhile too), then leaves sys.meta_path."""
 
-    def __init__(self, name, then):
+    def __init__(self, name):
         """Wait for `name`."""
         self.name = name
-        self.then = then
 
     def find_spec(self, fullname, path=None, target=None):
         """Find `name` with the other finders and wrap its loader's exec_module."""
@@ -61,9 +61,10 @@ class _AfterImport(importlib.abc.MetaPathFinder):
         run = loader.exec_module
 
         def exec_module(module):
-            """Run the module, then `then`."""
+            """Run the module, then what waits for it."""
             run(module)
-            self.then()
+            for then in list(_ON_IMPORT[self.name]):
+                then()
 
         loader.exec_module = exec_module
         return spec
@@ -81,24 +82,26 @@ def configure_plotly():
 
 # What a worker needs as soon as these are imported.
 _ON_IMPORT = {
-    "plotly.io": configure_plotly,
-    "pandas": lambda: configure_pandas(collector.running_settings()),
-    "matplotlib": lambda: figures.prepare_matplotlib(collector.running_settings()),
-    "IPython": lambda: shell.get_shell(),
+    "plotly.io": [configure_plotly],
+    "pandas": [lambda: configure_pandas(collector.running_settings())],
+    "matplotlib": [lambda: figures.prepare_matplotlib(collector.running_settings())],
+    "IPython": [lambda: shell.get_shell()],
 }
 
 
 def on_import(name, then):
-    """Have watch_imports run `then` right after module `name` is first imported too
-    (called before it)."""
-    _ON_IMPORT.setdefault(name, then)
+    """Run `then` right after module `name` is first imported, after the set-up above:
+    registered before watch_imports, or later for a module that has a set-up (or
+    one registered before), as long as it is not imported yet."""
+    _ON_IMPORT.setdefault(name, []).append(then)
 
 
 def watch_imports():
     """Once per worker process, before any cell: set each library up now if imported
     already, else right after it is first imported."""
-    for name, then in _ON_IMPORT.items():
+    for name, waiting in _ON_IMPORT.items():
         if name in sys.modules:
-            then()
+            for then in waiting:
+                then()
         else:
-            sys.meta_path.insert(0, _AfterImport(name, then))
+            sys.meta_path.insert(0, _AfterImport(name))
