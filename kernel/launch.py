@@ -11,6 +11,8 @@ new interpreter would not find this very package there (a checkout run as
 program a cell starts too.
 """
 
+import glob
+import json
 import os
 import site
 import subprocess
@@ -52,12 +54,33 @@ def needs_home(base=None):
     """True if a process of command() in environment `base` (default os.environ) would
     not import this package without PACKAGE_HOME on its sys.path."""
     base = os.environ if base is None else base
-    if PACKAGE_HOME in site.getsitepackages():
-        return False  # a wheel in this interpreter's own site-packages: always found
+    if PACKAGE_HOME in site.getsitepackages() or _editable_here():
+        return False  # installed in this interpreter's own site-packages: always found
     key = tuple(base.get(name) for name in _PATH_VARIABLES)
     if key not in _answers:
         _answers[key] = _probe(base)
     return _answers[key]
+
+
+def _editable_here():
+    """True when this checkout is installed in editable mode in this interpreter's own
+    site-packages (`pip install -e .`): a new interpreter finds it without asking,
+    and a server start saves the probe (about 0.15 s)."""
+    # The dist-info's own file, read directly: importing importlib.metadata alone costs
+    # a server start 0.1 s.
+    for folder in site.getsitepackages():
+        for found in glob.glob(os.path.join(folder, "snapshot_kernel_server-*.dist-info",
+                                            "direct_url.json")):
+            try:
+                with open(found) as f:
+                    info = json.load(f)
+            except (OSError, ValueError):
+                continue
+            url = info.get("url", "")
+            if info.get("dir_info", {}).get("editable") and url.startswith("file://") and \
+                    os.path.realpath(url[len("file://"):]) == os.path.realpath(PACKAGE_HOME):
+                return True
+    return False
 
 
 def _probe(base):
