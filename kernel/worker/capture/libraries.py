@@ -89,16 +89,21 @@ _ON_IMPORT = {
 }
 
 
+_watching = []  # True once watch_imports ran in this process (inherited by forks)
+
+
 def on_import(name, then):
-    """Run `then` right after module `name` is first imported, after the set-up above:
-    registered before watch_imports, or later for a module that has a set-up (or
-    one registered before), as long as it is not imported yet."""
+    """Run `then` right after module `name` is first imported (after the set-up
+    above): before watch_imports, or later, while `name` is not imported yet."""
+    if _watching and name not in _ON_IMPORT and name not in sys.modules:
+        sys.meta_path.insert(0, _AfterImport(name))
     _ON_IMPORT.setdefault(name, []).append(then)
 
 
 def watch_imports():
     """Once per worker process, before any cell: set each library up now if imported
     already, else right after it is first imported."""
+    _watching.append(True)
     for name, waiting in _ON_IMPORT.items():
         if name in sys.modules:
             for then in waiting:
