@@ -211,6 +211,7 @@ class S3:
     def __init__(self, log_path):
         """Start it and wait until it answers."""
         import boto3
+        from botocore.exceptions import EndpointConnectionError
         self.port = free_port()
         self.endpoint = f"http://127.0.0.1:{self.port}"
         self.log_path = str(log_path)
@@ -219,15 +220,16 @@ class S3:
                                      cwd=ROOT, stdout=self.log, stderr=self.log,
                                      stdin=subprocess.DEVNULL)
         self.client = boto3.client("s3", endpoint_url=self.endpoint, region_name="us-east-1")
-        deadline = time.monotonic() + 30
-        while True:
+
+        def up():
+            """True once the server answers; fails at once if it exited."""
+            assert self.proc.poll() is None, f"moto's S3 server exited: see {self.log_path}"
             try:
-                self.client.list_buckets()
-                return
-            except Exception:
-                if time.monotonic() > deadline or self.proc.poll() is not None:
-                    raise RuntimeError("moto's S3 server did not come up")
-                time.sleep(0.05)
+                return "Buckets" in self.client.list_buckets()
+            except EndpointConnectionError:  # not listening yet
+                return False
+
+        wait_for(up, "moto's S3 server to answer")
 
     def bucket(self):
         """A new empty bucket's name."""

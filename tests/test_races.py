@@ -155,7 +155,8 @@ def test_cells_finishing_after_a_reset_say_their_state_was_discarded(make_server
         assert answer["error"]["ename"] == "StateDiscarded", answer["error"]
     assert srv.get("/states").json()["states"] == ["initial"]
     for i in range(3):
-        assert srv.get(f"/states/during-{i}").status_code == 404
+        r = srv.get(f"/states/during-{i}")
+        assert r.status_code == 404 and r.json()["error"]["type"] == "StateNotFound", r.text
     # The server carries on.
     assert srv.execute("z = 2", new="after-reset")["state_name"] == "after-reset"
 
