@@ -168,8 +168,8 @@ BREAKAGES = [
       ["tests/test_faults.py::test_memory_watchdog_catches_copy_on_write_growth"]),
     B("no-process-limit", "no pids cgroup (as on a machine without one) and the watchdog on "
                           "a cell's process count off",
-      [("kernel/worker/limits.py", "    if not os.path.isdir(_CGROUP_V1_PIDS):\n        return None\n",
-        "    return None\n"),
+      [("kernel/worker/limits.py",
+        "    if not os.path.isdir(_CGROUP_V1_PIDS):\n        return None\n", "    return None\n"),
        ("kernel/server/supervisor.py",
         "        elif max_procs and group_processes(run.child.pid) > max_procs + 1:\n",
         "        elif False:\n")],
@@ -209,7 +209,8 @@ BREAKAGES = [
         "                elif False:\n")],
       ["tests/test_fresh.py::test_run_deadline_stops_a_cell_that_ignores_interrupts"]),
     B("no-memory-fuse", "a fresh run's memory fuse never blows",
-      [("kernel/notebook/fresh.py", "                if memory > fuse:\n", "                if False:\n")],
+      [("kernel/notebook/fresh.py", "                if memory > fuse:\n",
+        "                if False:\n")],
       ["tests/test_fresh_run.py::test_memory_fuse"]),
     # tests/test_fidelity.py, tests/test_api.py ---------------------------------------
     B("fidelity-notebook-duplicated", "one fidelity notebook is a copy of another",
