@@ -68,6 +68,12 @@ BREAKAGES = [
         "        finally:\n            _SERIAL.release()\n            with self.lock:\n"
         "                if key is not None:\n                    self.running.pop(key, None)\n")],
       ["tests/test_processes.py::test_two_executions_from_one_state_run_in_parallel"]),
+    B("first-cells-wait-for-warm-zygote", "cells wait for the warm zygote (the cold one "
+                                          "never serves)",
+      [("kernel/server/pool.py", "                alive = [z for z in self.zygotes if z.alive]\n",
+        "                alive = [z for z in self.zygotes if z.alive and z.hello.warm]\n")],
+      ["tests/test_processes.py::"
+       "test_first_cells_do_not_wait_for_the_warm_up_and_behave_the_same"]),
     B("maker-death-unnoticed", "a state's maker found dead does not shorten the wait for "
                                "its holder (worker_start_timeout_s is waited out)",
       [("kernel/server/pool.py",
