@@ -68,6 +68,12 @@ BREAKAGES = [
         "        finally:\n            _SERIAL.release()\n            with self.lock:\n"
         "                if key is not None:\n                    self.running.pop(key, None)\n")],
       ["tests/test_processes.py::test_two_executions_from_one_state_run_in_parallel"]),
+    B("first-cells-wait-for-warm-zygote", "cells wait for the warm zygote (the cold one "
+                                          "never serves)",
+      [("kernel/server/pool.py", "                alive = [z for z in self.zygotes if z.alive]\n",
+        "                alive = [z for z in self.zygotes if z.alive and z.hello.warm]\n")],
+      ["tests/test_processes.py::"
+       "test_first_cells_do_not_wait_for_the_warm_up_and_behave_the_same"]),
     B("maker-death-unnoticed", "a state's maker found dead does not shorten the wait for "
                                "its holder (worker_start_timeout_s is waited out)",
       [("kernel/server/pool.py",
@@ -168,8 +174,8 @@ BREAKAGES = [
       ["tests/test_faults.py::test_memory_watchdog_catches_copy_on_write_growth"]),
     B("no-process-limit", "no pids cgroup (as on a machine without one) and the watchdog on "
                           "a cell's process count off",
-      [("kernel/worker/limits.py", "    if not os.path.isdir(_CGROUP_V1_PIDS):\n        return None\n",
-        "    return None\n"),
+      [("kernel/worker/limits.py",
+        "    if not os.path.isdir(_CGROUP_V1_PIDS):\n        return None\n", "    return None\n"),
        ("kernel/server/supervisor.py",
         "        elif max_procs and group_processes(run.child.pid) > max_procs + 1:\n",
         "        elif False:\n")],
@@ -209,7 +215,8 @@ BREAKAGES = [
         "                elif False:\n")],
       ["tests/test_fresh.py::test_run_deadline_stops_a_cell_that_ignores_interrupts"]),
     B("no-memory-fuse", "a fresh run's memory fuse never blows",
-      [("kernel/notebook/fresh.py", "                if memory > fuse:\n", "                if False:\n")],
+      [("kernel/notebook/fresh.py", "                if memory > fuse:\n",
+        "                if False:\n")],
       ["tests/test_fresh_run.py::test_memory_fuse"]),
     # tests/test_fidelity.py, tests/test_api.py ---------------------------------------
     B("fidelity-notebook-duplicated", "one fidelity notebook is a copy of another",

@@ -166,14 +166,17 @@ class S3:
                                      cwd=ROOT, stdout=self.log, stderr=self.log,
                                      stdin=subprocess.DEVNULL)
         self.client = boto3.client("s3", endpoint_url=self.endpoint, region_name="us-east-1")
-        deadline = time.monotonic() + 30
+        from botocore.exceptions import EndpointConnectionError
+        deadline = time.monotonic() + 120
         while True:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"moto's S3 server exited: see {self.log_path}")
             try:
                 self.client.list_buckets()
                 return
-            except Exception:
-                if time.monotonic() > deadline or self.proc.poll() is not None:
-                    raise RuntimeError("moto's S3 server did not come up")
+            except EndpointConnectionError:  # not listening yet: nothing else is excused
+                if time.monotonic() > deadline:
+                    raise RuntimeError("moto's S3 server did not come up in 120 s") from None
                 time.sleep(0.05)
 
     def bucket(self):

@@ -66,6 +66,26 @@ def in_thread(fn, *args, **kw):
     return future
 
 
+def warm_zygote(srv):
+    """The warm zygote of server `srv` (started with wait=False to catch it before it
+    connects), once the cold one forked it: the cold zygote's child in its process group
+    (holders are forked into groups of their own). A test stops it (SIGSTOP) to keep
+    the server on its cold path for as long as it needs."""
+    import psutil
+
+    def find():
+        """The process, or None (also when one of them exited meanwhile)."""
+        try:
+            for cold in psutil.Process(srv.proc.pid).children():
+                for child in cold.children():
+                    if os.getpgid(child.pid) == cold.pid:
+                        return child
+        except (psutil.NoSuchProcess, ProcessLookupError):
+            return None
+        return None
+    return wait_for(find, "the warm zygote to be forked")
+
+
 class Gate:
     """A point a cell waits at until the test opens it: stages a race without a sleep.
 

@@ -25,7 +25,7 @@ def test_token_required_on_every_route(server):
         assert r.status_code == 401, (method, path)
         assert r.json()["error"]["type"] == "Unauthorized"
         r = requests.request(method, server.url + path, params={"token": "wrong"}, timeout=10)
-        assert r.status_code == 401
+        assert error_of(r, 401)["type"] == "Unauthorized", (method, path)
 
 
 def test_bearer_header_accepted(server):

@@ -74,7 +74,8 @@ def test_token_from_environment_and_quiet_output(tmp_path):
                  {"SNAPSHOT_KERNEL_TOKEN": "from-env"})
     try:
         wait_health(url, proc)
-        assert requests.get(url + "/states", timeout=10).status_code == 401
+        r = requests.get(url + "/states", timeout=60)
+        assert r.status_code == 401 and r.json()["error"]["type"] == "Unauthorized"
         r = requests.post(url + "/execute", params={"token": "from-env"}, timeout=60,
                           json={"code": "print('hi')", "exec_id": "q", "state_name": "initial"})
         assert r.json()["output"][0]["text"] == "hi\n"
@@ -104,7 +105,8 @@ def test_bottle_command_line_form(tmp_path):
                   "main:app"])
     try:
         wait_health(url, proc)
-        assert requests.get(url + "/states", timeout=10).status_code == 401
+        r = requests.get(url + "/states", timeout=60)
+        assert r.status_code == 401 and r.json()["error"]["type"] == "Unauthorized"
         r = requests.post(url + "/execute", params={"token": "bottle-token"}, timeout=60,
                           json={"code": "6 * 7", "exec_id": "b", "state_name": "initial"})
         assert r.json()["output"][0]["data"]["text/plain"] == "42"

@@ -345,7 +345,8 @@ def test_fresh_run_over_http(server, tmp_path):
     assert r.status_code == 400 and "SECRET" in r.json()["error"]["message"]
     r = server.post("/notebooks/run", {"notebook": "nb", "cells": [cells[0], cells[0]],
                                        "fresh": True})
-    assert r.status_code == 400
+    assert r.status_code == 400, r.text
+    assert "two cells have the id 'a'" in r.json()["error"]["message"]
     # The options of each kind of run are refused on the other.
     r = server.post("/notebooks/run", {"notebook": "nb", "cells": cells, "timeout": 5})
     assert r.status_code == 400 and "fresh" in r.json()["error"]["message"]

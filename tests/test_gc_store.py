@@ -92,7 +92,7 @@ def template(tmp_path_factory):
         srv.execute("o = 'old'", new="old-1")
         srv.execute("import os\njunk = os.urandom(3_000_000)", new="junk")
         srv.execute("g = list(range(1000, 2000))", new="gone")
-        assert srv.delete("/states/gone").status_code == 200
+        assert srv.delete("/states/gone").json() == {"deleted": "gone"}
     finally:
         srv.stop()
     backdate(data_dir, ["old-1", auto["auto4"]], days=3)

@@ -9,7 +9,7 @@ import tempfile
 import psutil
 import pytest
 
-from conftest import asleep, in_thread, wait_for
+from conftest import asleep, in_thread, wait_for, warm_zygote
 import harness
 from kernel import trace
 
@@ -169,14 +169,20 @@ def test_memory_bound_evicts(make_server):
 def test_first_cells_do_not_wait_for_the_warm_up_and_behave_the_same(make_server):
     """A new server answers at once from its cold zygote; those cells still get pandas
     limits, inline figures and IPython.display; then the warm zygote takes over."""
-    srv = make_server(extra_args=["--display-max-rows", "6"])
-    first = srv.execute(
-        "import sys\ncold = 'pandas' not in sys.modules\nimport pandas as pd\n"
-        "from IPython.display import clear_output\nprint('gone'); clear_output()\n"
-        "import matplotlib.pyplot as plt\nplt.plot([1, 2]); plt.show()\nprint('after')\n"
-        "pd.DataFrame({'c': range(20)})", new="first")
-    if srv.execute("cold", state="first")["output"][0]["data"]["text/plain"] != "True":
-        pytest.skip("the warm zygote was up before the first cell: no cold path to test")
+    srv = make_server(extra_args=["--display-max-rows", "6"], wait=False)
+    # The warm zygote is stopped until the first cell ran: that cell surely runs cold.
+    warm = warm_zygote(srv)
+    warm.send_signal(signal.SIGSTOP)
+    try:
+        srv.wait_up()
+        first = srv.execute(
+            "import sys\ncold = 'pandas' not in sys.modules\nimport pandas as pd\n"
+            "from IPython.display import clear_output\nprint('gone'); clear_output()\n"
+            "import matplotlib.pyplot as plt\nplt.plot([1, 2]); plt.show()\n"
+            "print('after')\npd.DataFrame({'c': range(20)})", new="first")
+    finally:
+        warm.send_signal(signal.SIGCONT)
+    assert srv.execute("cold", state="first")["output"][0]["data"]["text/plain"] == "True"
     kinds = [(o["output_type"], sorted(o.get("data", {})) or o.get("text")) for o in
              first["output"]]
     assert kinds == [("display_data", ["image/png", "text/plain"]), ("stream", "after\n"),
@@ -237,7 +243,7 @@ def test_next_cell_runs_in_the_process_that_made_its_state(make_server):
     assert eval(again)[0] == pids[:1] and eval(again)[1] != pids[0]
     holders = runner.children()  # those of run-a, run-b and run-c, forked by the runner
     for name in ("run-a", "run-b"):
-        assert srv.delete(f"/states/{name}").status_code == 200
+        assert srv.delete(f"/states/{name}").json() == {"deleted": name}
 
     def zombies():
         """How many of the holders have exited and wait to be reaped."""

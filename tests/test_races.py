@@ -3,13 +3,12 @@ an eviction while requests wait for the evicted holder."""
 
 import contextlib
 import json
-import os
 import signal
 
 import psutil
 import requests
 
-from conftest import Server, in_thread, wait_for
+from conftest import Server, in_thread, wait_for, warm_zygote
 import harness
 from kernel import trace
 
@@ -52,22 +51,6 @@ def test_a_process_forked_by_a_cell_never_answers_or_stores(server, gate):
     assert server.value("forked-late", "'late' in globals(), who") == "(False, 'parent')"
 
 
-def _warm_zygote(srv):
-    """The warm zygote of `srv`, once forked: the cold zygote's child in its process
-    group (holders are forked into groups of their own)."""
-    def find():
-        """The process, or None."""
-        try:
-            for cold in psutil.Process(srv.proc.pid).children():
-                for child in cold.children():
-                    if os.getpgid(child.pid) == cold.pid:
-                        return child
-        except (psutil.NoSuchProcess, ProcessLookupError):
-            pass
-        return None
-    return wait_for(find, "the warm zygote to be forked")
-
-
 def test_a_burst_of_first_cells_waiting_on_a_cold_holder_when_the_warm_zygote_comes(
         tmp_path, gate):
     # Right after a start, requests wait for spares of the cold zygote's holder of
@@ -88,7 +71,7 @@ def test_a_burst_of_first_cells_waiting_on_a_cold_holder_when_the_warm_zygote_co
                 exec_id in (None, s["exec"]) and pid in (None, s["pid"])]
 
     try:
-        warm = _warm_zygote(srv)
+        warm = warm_zygote(srv)
         warm.send_signal(signal.SIGSTOP)
         srv.wait_up()
         first_gate = gate("first")
@@ -121,7 +104,7 @@ def test_a_burst_of_first_cells_waiting_on_a_cold_holder_when_the_warm_zygote_co
         assert first.result(timeout=150)["output"][0]["data"]["text/plain"] == "False"
     finally:
         if warm is not None:
-            with contextlib.suppress(psutil.NoSuchProcess):
+            with contextlib.suppress(psutil.NoSuchProcess):  # (gone with its server)
                 warm.send_signal(signal.SIGCONT)
         srv.stop()
 
@@ -156,7 +139,8 @@ def test_cells_finishing_after_a_reset_say_their_state_was_discarded(make_server
         assert answer["error"]["ename"] == "StateDiscarded", answer["error"]
     assert srv.get("/states").json()["states"] == ["initial"]
     for i in range(3):
-        assert srv.get(f"/states/during-{i}").status_code == 404
+        r = srv.get(f"/states/during-{i}")
+        assert r.status_code == 404 and r.json()["error"]["type"] == "StateNotFound", r.text
     # The server carries on.
     assert srv.execute("z = 2", new="after-reset")["state_name"] == "after-reset"
 

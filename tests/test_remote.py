@@ -239,7 +239,7 @@ def test_gc_with_two_servers_running(s3, pair, make_server, tmp_path):
     b.execute("import numpy as np\ngone = np.ones(400_000)", new="doomed")
     b.execute("kept = 7", state="keep", new="keep2")
     doomed = record_blobs(s3, bucket, "doomed") - record_blobs(s3, bucket, "keep2")
-    assert a.delete("/states/doomed").status_code == 200
+    assert a.delete("/states/doomed").json() == {"deleted": "doomed"}
     before = s3.objects(bucket, "blobs")
     status, out = run_script("scripts/gc_states.py", "--remote", "--config", str(config))
     assert status == 0, out
