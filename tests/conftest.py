@@ -62,7 +62,7 @@ def in_thread(fn, *args, **kw):
         """The thread: hand the outcome to the future."""
         try:
             future.set_result(fn(*args, **kw))
-        except BaseException as exc:  # noqa: B036 (handed to the test, which re-raises it)
+        except BaseException as exc:  # handed to the test, which re-raises it
             future.set_exception(exc)
 
     threading.Thread(target=run, daemon=True).start()
@@ -260,10 +260,11 @@ class S3:
     def config(self, bucket, durability="sync", extra="", timeout_s=10.0):
         """A config.toml for a server on s3://BUCKET/states: one try per request, a
         look at the names on every request, and waits for the remote long enough for
-        a loaded machine (moto is a Python server: an 8 MB blob under load took over
-        the 1 s timeout this had, and the names a look slower than remote_list_wait_s
-        found came a request late). A paused remote is noticed after `timeout_s`: the
-        tests that pause it make that shorter (their requests while it runs are small)."""
+        a loaded machine. (moto is a Python server: with the 1 s timeout this had, a
+        restore fetching 8 MB from it failed once under load, most likely timed out;
+        and a look slower than remote_list_wait_s leaves its request answering from the
+        names known before.) A paused remote is noticed after `timeout_s`: the tests
+        that pause it make that shorter (their requests while it runs are small)."""
         return (f'[store]\nremote = "s3://{bucket}/states"\n'
                 f'remote_endpoint = "{self.endpoint}"\ndurability = "{durability}"\n'
                 f"remote_refresh_s = 0.0\nremote_timeout_s = {timeout_s}\n"
