@@ -240,6 +240,12 @@ BREAKAGES = [
         "button does.\"\"\"\n        self.manager.interrupt_kernel()\n",
         "        \"\"\"SIGINT the kernel, as a front end's interrupt button does.\"\"\"\n")],
       ["tests/test_bench.py::test_ipykernel_peer_runs_cells_interrupts_and_resets"]),
+    # tests/test_load.py (scripts/load.py), tests/test_processes.py ----------------------
+    B("sigterm-leaves-workers", "a server stopped by SIGTERM does not stop its workers",
+      [("main.py", "        # Workers first: a request waiting on one then ends at once.\n"
+        "        _kernel.close()\n", "")],
+      ["tests/test_load.py::test_eight_clients_no_errors_no_lost_states_no_leaked_processes",
+       "tests/test_processes.py::test_server_never_forks_and_sigterm_leaves_no_worker"]),
 ]
 
 
