@@ -10,6 +10,8 @@ touched.
     python scripts/break_check.py --list
     python scripts/break_check.py interrupt-no-sigint maker-death-unnoticed
     python scripts/break_check.py --all  [--markdown]
+    python scripts/break_check.py --at c05dfdc --test tests/test_fuzz.py::NAME BREAKAGE
+        (the same breakage against an older revision's test: did it catch it?)
 
 A breakage whose text is no longer found in the code is reported as
 "stale" (the code moved on: update the breakage). A test run that goes past
@@ -240,15 +242,28 @@ BREAKAGES = [
         "button does.\"\"\"\n        self.manager.interrupt_kernel()\n",
         "        \"\"\"SIGINT the kernel, as a front end's interrupt button does.\"\"\"\n")],
       ["tests/test_bench.py::test_ipykernel_peer_runs_cells_interrupts_and_resets"]),
+    # tests/test_load.py (scripts/load.py), tests/test_processes.py ----------------------
+    B("sigterm-leaves-workers", "a server stopped by SIGTERM does not stop its workers",
+      [("main.py", "        # Workers first: a request waiting on one then ends at once.\n"
+        "        _kernel.close()\n", "")],
+      ["tests/test_load.py::test_eight_clients_no_errors_no_lost_states_no_leaked_processes",
+       "tests/test_processes.py::test_server_never_forks_and_sigterm_leaves_no_worker"]),
 ]
 
 
-def scratch_copy():
-    """A copy of the working tree in a new temporary folder (no .git, no stores)."""
+def scratch_copy(at=None):
+    """A copy of the working tree in a new temporary folder (no .git, no stores); with
+    `at`, of that git revision instead (to see whether an older test caught a breakage)."""
     folder = tempfile.mkdtemp(prefix="break-check-")
     tree = os.path.join(folder, "tree")
-    shutil.copytree(ROOT, tree, ignore=shutil.ignore_patterns(
-        ".git", "__pycache__", "*.pyc", ".pytest_cache", "data", "*.egg-info"))
+    if at is None:
+        shutil.copytree(ROOT, tree, ignore=shutil.ignore_patterns(
+            ".git", "__pycache__", "*.pyc", ".pytest_cache", "data", "*.egg-info"))
+    else:
+        os.makedirs(tree)
+        archive = subprocess.run(["git", "archive", at], cwd=ROOT, capture_output=True,
+                                 check=True).stdout
+        subprocess.run(["tar", "-x", "-C", tree], input=archive, check=True)
     return folder, tree
 
 
@@ -271,9 +286,9 @@ def apply(tree, breakage):
     return None
 
 
-def check(breakage, test, timeout):
+def check(breakage, test, timeout, at=None):
     """Run `test` on a copy broken by `breakage`: (verdict, seconds, output tail)."""
-    folder, tree = scratch_copy()
+    folder, tree = scratch_copy(at)
     started = time.monotonic()
     try:
         stale = apply(tree, breakage)
@@ -306,6 +321,10 @@ def main():
     parser.add_argument("--timeout", type=float, default=600,
                         help="seconds a breakage's test run may take before it counts as a hang")
     parser.add_argument("--markdown", action="store_true", help="print a table at the end")
+    parser.add_argument("--at", metavar="REV", help="break a git revision's tree instead of "
+                        "the working tree (its tests must have the names given)")
+    parser.add_argument("--test", action="append", metavar="NODE",
+                        help="run this test (pytest node id) instead of the breakage's own")
     parser.add_argument("-v", "--verbose", action="store_true", help="print each run's output")
     args = parser.parse_args()
     known = {b.name: b for b in BREAKAGES}
@@ -318,8 +337,8 @@ def main():
         parser.error("name breakages, or --all")
     rows = []
     for b in chosen:
-        for test in b.tests:
-            verdict, seconds, out = check(b, test, args.timeout)
+        for test in args.test or b.tests:
+            verdict, seconds, out = check(b, test, args.timeout, args.at)
             rows.append((b, test, verdict))
             print(f"{b.name}: {test} {verdict} ({seconds:.0f} s)", flush=True)
             for line in out.splitlines():

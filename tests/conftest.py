@@ -59,7 +59,7 @@ def in_thread(fn, *args, **kw):
         """The thread: hand the outcome to the future."""
         try:
             future.set_result(fn(*args, **kw))
-        except BaseException as exc:  # noqa: B036 (handed to the test, which re-raises it)
+        except BaseException as exc:  # handed to the test, which re-raises it
             future.set_exception(exc)
 
     threading.Thread(target=run, daemon=True).start()
