@@ -46,25 +46,25 @@ B = Breakage
 BREAKAGES = [
     # tests/test_processes.py ------------------------------------------------------
     B("interrupt-no-sigint", "/interrupt sends no SIGINT (only the SIGKILL after the grace)",
-      [("kernel/server/supervisor.py", "            os.kill(run.child.pid, signal.SIGINT)\n",
+      [("kernel/server/cell_runs.py", "            os.kill(run.child.pid, signal.SIGINT)\n",
         "            pass\n")],
       ["tests/test_processes.py::test_interrupt_stops_sleep"]),
     B("interrupt-no-sigkill", "no SIGKILL after interrupt_grace_s",
-      [("kernel/server/supervisor.py",
+      [("kernel/server/cell_runs.py",
         "        if run.phase == \"running\" and run.child.alive:\n            run.child.kill()\n",
         "        pass\n")],
       ["tests/test_processes.py::test_interrupt_escalates_to_sigkill"]),
     B("exec-id-no-conflict", "a running exec_id is not refused",
-      [("kernel/server/supervisor.py",
+      [("kernel/server/cell_runs.py",
         "            if key is not None and key in self.running:\n",
         "            if False:\n")],
       ["tests/test_processes.py::test_exec_id_already_running_is_409"]),
     B("runs-serialised", "one request runs at a time (a lock around every run)",
-      [("kernel/server/supervisor.py", "class Run:\n",
-        "_SERIAL = threading.Lock()\n\n\nclass Run:\n"),
-       ("kernel/server/supervisor.py", "        key = request.exec_id\n        run = Run(key)\n",
-        "        key = request.exec_id\n        run = Run(key)\n        _SERIAL.acquire()\n"),
-       ("kernel/server/supervisor.py",
+      [("kernel/server/cell_runs.py", "class CellRun:\n",
+        "_SERIAL = threading.Lock()\n\n\nclass CellRun:\n"),
+       ("kernel/server/cell_runs.py", "        key = request.exec_id\n        run = CellRun(key)\n",
+        "        key = request.exec_id\n        run = CellRun(key)\n        _SERIAL.acquire()\n"),
+       ("kernel/server/cell_runs.py",
         "        finally:\n            with self.lock:\n                if key is not None:\n"
         "                    self.running.pop(key, None)\n",
         "        finally:\n            _SERIAL.release()\n            with self.lock:\n"
@@ -117,24 +117,24 @@ BREAKAGES = [
       ["tests/test_races.py::test_cells_finishing_after_a_reset_say_their_state_was_discarded"]),
     # tests/test_security.py -----------------------------------------------------------
     B("no-auth-refused-on-loopback", "--no-auth is refused on a loopback bind too",
-      [("main.py", "    if not args.token and not (args.no_auth and _is_loopback(host)):\n",
+      [("main.py", "    if not args.token and not (args.no_auth and server.is_loopback(host)):\n",
         "    if not args.token:\n")],
       ["tests/test_security.py::test_refuses_a_network_bind_without_a_token"]),
     B("no-auth-on-any-bind", "--no-auth is accepted on a network bind",
-      [("main.py", "    if not args.token and not (args.no_auth and _is_loopback(host)):\n",
+      [("main.py", "    if not args.token and not (args.no_auth and server.is_loopback(host)):\n",
         "    if not args.token and not args.no_auth:\n")],
       ["tests/test_security.py::test_refuses_a_network_bind_without_a_token"]),
     B("tls-handshake-in-accept-loop", "the TLS handshake runs in cheroot's accept loop",
-      [("main.py", "tls = self.context.wrap_socket(sock, do_handshake_on_connect=False,",
+      [("api/server.py", "tls = self.context.wrap_socket(sock, do_handshake_on_connect=False,",
         "tls = self.context.wrap_socket(sock, do_handshake_on_connect=True,")],
       ["tests/test_security.py::test_tls_with_a_self_signed_certificate"]),
     B("idle-connection-takes-a-thread", "a new connection goes to a worker thread at once",
-      [("main.py", "            if not getattr(conn, \"snapk_waited\", False):\n",
-        "            if False:\n")],
+      [("api/server.py", "        if not getattr(conn, \"snapk_waited\", False):\n",
+        "        if False:\n")],
       ["tests/test_security.py::test_idle_clients_hold_no_thread"]),
     B("no-socket-timeout", "client sockets never time out (socket_timeout_s ignored)",
-      [("main.py", "timeout=s[\"server.socket_timeout_s\"], request_queue_size=128)",
-        "timeout=None, request_queue_size=128)")],
+      [("api/server.py", "timeout=settings[\"server.socket_timeout_s\"],\n",
+        "timeout=None,\n")],
       ["tests/test_security.py::test_half_sent_requests_hold_a_thread_only_for_socket_timeout_s"]),
     # tests/test_fuzz.py ---------------------------------------------------------------
     B("state-names-unbounded", "state names of any length pass the request checks",
@@ -143,8 +143,8 @@ BREAKAGES = [
       ["tests/test_fuzz.py::test_huge_strings_and_deep_nesting_in_every_field"]),
     B("header-size-limit", "cheroot refuses requests with headers over 64 KiB (a long token "
                            "gets no JSON 401)",
-      [("main.py", "timeout=s[\"server.socket_timeout_s\"], request_queue_size=128)\n",
-        "timeout=s[\"server.socket_timeout_s\"], request_queue_size=128)\n"
+      [("api/server.py", "                            request_queue_size=_BACKLOG)\n",
+        "                            request_queue_size=_BACKLOG)\n"
         "    server.max_request_header_size = 65536\n")],
       ["tests/test_fuzz.py::test_huge_tokens_headers_and_lengths"]),
     # tests/test_store.py, tests/test_gc_store.py --------------------------------------
@@ -164,13 +164,13 @@ BREAKAGES = [
       ["tests/test_gc_store.py::test_older_than_deletes_old_states_only"]),
     # tests/test_faults.py -------------------------------------------------------------
     B("no-cell-timeout", "cell_timeout_s is not enforced",
-      [("kernel/server/supervisor.py",
+      [("kernel/server/cell_runs.py",
         "        if timeout and time.monotonic() - run.started > timeout:\n",
         "        if False:\n")],
       ["tests/test_faults.py::test_cell_over_cell_timeout_s_is_timeout",
        "tests/test_fresh.py::test_cell_timeout"]),
     B("no-memory-watchdog", "the watchdog on a cell's private memory is off",
-      [("kernel/server/supervisor.py",
+      [("kernel/server/cell_runs.py",
         "        elif max_mem and private_bytes(run.child.pid) > max_mem:\n",
         "        elif False:\n")],
       ["tests/test_faults.py::test_memory_watchdog_catches_copy_on_write_growth"]),
@@ -178,7 +178,7 @@ BREAKAGES = [
                           "a cell's process count off",
       [("kernel/worker/limits.py",
         "    if not os.path.isdir(_CGROUP_V1_PIDS):\n        return None\n", "    return None\n"),
-       ("kernel/server/supervisor.py",
+       ("kernel/server/cell_runs.py",
         "        elif max_procs and group_processes(run.child.pid) > max_procs + 1:\n",
         "        elif False:\n")],
       ["tests/test_faults.py::test_cell_forking_many_processes_is_bounded"]),
@@ -198,14 +198,15 @@ BREAKAGES = [
     # tests/test_notebooks.py ----------------------------------------------------------
     B("reuse-runs-again", "a notebook run executes cells it has results for (and still "
                           "calls them reused)",
-      [("kernel/notebook/runner.py", "            if i not in plan.run:\n",
+      [("kernel/notebook/incremental.py", "            if i not in plan.run:\n",
         "            if False:\n"),
-       ("kernel/notebook/runner.py", "            done(i, status=\"ran\", took_s=took, ",
-        "            done(i, status=\"reused\" if i not in plan.run else \"ran\", "
-        "took_s=took, ")],
+       ("kernel/notebook/incremental.py",
+        "            status = CellStatus.RAN if failure is None else (",
+        "            status = (CellStatus.REUSED if i not in plan.run else CellStatus.RAN) "
+        "if failure is None else (")],
       ["tests/test_notebooks.py::test_a_second_run_runs_nothing_also_after_a_restart"]),
     B("interrupt-ignored", "/interrupt says it interrupted but stops nothing",
-      [("kernel/server/supervisor.py",
+      [("kernel/server/cell_runs.py",
         "        self._stop(run, \"KeyboardInterrupt\",\n"
         "                   \"the cell did not stop on SIGINT and was killed after "
         "interrupt_grace_s\")\n", "")],
@@ -213,8 +214,11 @@ BREAKAGES = [
        "tests/test_processes.py::test_interrupt_stops_sleep"]),
     # tests/test_fresh.py, tests/test_fresh_run.py ------------------------------------
     B("no-run-deadline", "a fresh run's deadline is not enforced",
-      [("kernel/notebook/fresh.py", "                elif now > deadline and kill_at is None:\n",
-        "                elif False:\n")],
+      [("kernel/notebook/fresh.py", "                    if now > deadline:\n",
+        "                    if False:\n"),
+       ("kernel/notebook/fresh.py",
+        "elif kill_at is None and (now > deadline or self.cancel.is_set()):\n",
+        "elif kill_at is None and self.cancel.is_set():\n")],
       ["tests/test_fresh.py::test_run_deadline_stops_a_cell_that_ignores_interrupts"]),
     B("no-memory-fuse", "a fresh run's memory fuse never blows",
       [("kernel/notebook/fresh.py", "                if memory > fuse:\n",
@@ -225,10 +229,10 @@ BREAKAGES = [
       [("copy", "tests/notebooks/06_magics.ipynb", "tests/notebooks/07_interleaved_output.ipynb")],
       ["tests/test_fidelity.py::test_there_are_enough_notebooks"]),
     B("bearer-ignored", "the Authorization: Bearer header is not read",
-      [("main.py", "    if header.startswith(\"Bearer \"):\n", "    if False:\n")],
+      [("api/routes.py", "    if header.startswith(\"Bearer \"):\n", "    if False:\n")],
       ["tests/test_api.py::test_bearer_header_accepted"]),
     B("unknown-route-not-json", "an unknown route is answered by bottle's HTML page",
-      [("main.py", "@app.error(404)\n", "")],
+      [("api/routes.py", "@app.error(404)\n", "")],
       ["tests/test_api.py::test_unknown_route_and_method_are_json"]),
     # tests/test_remote.py, tests/test_bench.py ----------------------------------------
     B("name-not-compare-and-swap", "a server rebinds a name on the remote without "
@@ -244,8 +248,8 @@ BREAKAGES = [
       ["tests/test_bench.py::test_ipykernel_peer_runs_cells_interrupts_and_resets"]),
     # tests/test_load.py (scripts/load.py), tests/test_processes.py ----------------------
     B("sigterm-leaves-workers", "a server stopped by SIGTERM does not stop its workers",
-      [("main.py", "        # Workers first: a request waiting on one then ends at once.\n"
-        "        _kernel.close()\n", "")],
+      [("api/server.py", "        # Workers first: a request waiting on one then ends at once.\n"
+        "        service.close()\n", "")],
       ["tests/test_load.py::test_eight_clients_no_errors_no_lost_states_no_leaked_processes",
        "tests/test_processes.py::test_server_never_forks_and_sigterm_leaves_no_worker"]),
 ]
