@@ -249,7 +249,8 @@ BREAKAGES = [
     # tests/test_load.py (scripts/load.py), tests/test_processes.py ----------------------
     B("sigterm-leaves-workers", "a server stopped by SIGTERM does not stop its workers",
       [("api/server.py", "        # Workers first: a request waiting on one then ends at once.\n"
-        "        service.close()\n", "")],
+        "        service.close()\n", ""),
+       ("api/routes.py", "                atexit.register(self.close)\n", "")],
       ["tests/test_load.py::test_eight_clients_no_errors_no_lost_states_no_leaked_processes",
        "tests/test_processes.py::test_server_never_forks_and_sigterm_leaves_no_worker"]),
 ]
