@@ -22,6 +22,7 @@ fail within their own deadlines, not hang.
 import argparse
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -243,9 +244,13 @@ BREAKAGES = [
         "        \"\"\"SIGINT the kernel, as a front end's interrupt button does.\"\"\"\n")],
       ["tests/test_bench.py::test_ipykernel_peer_runs_cells_interrupts_and_resets"]),
     # tests/test_load.py (scripts/load.py), tests/test_processes.py ----------------------
-    B("sigterm-leaves-workers", "a server stopped by SIGTERM does not stop its workers",
-      [("main.py", "        # Workers first: a request waiting on one then ends at once.\n"
-        "        _kernel.close()\n", "")],
+    B("sigterm-leaves-workers", "a server stopped by SIGTERM does not stop its workers, and "
+                                "a holder whose server is gone stays (removing either alone "
+                                "is not enough: the other stops them)",
+      [("kernel/server/registry.py", "        self.pool.close()\n", ""),
+       ("kernel/worker/holder.py", "                except ChannelClosed:\n"
+        "                    self.leave()\n",
+        "                except ChannelClosed:\n                    select.select([], [], [])\n")],
       ["tests/test_load.py::test_eight_clients_no_errors_no_lost_states_no_leaked_processes",
        "tests/test_processes.py::test_server_never_forks_and_sigterm_leaves_no_worker"]),
 ]
@@ -309,7 +314,25 @@ def check(breakage, test, timeout, at=None):
             "passed" if run.returncode == 0 else f"error (pytest exit {run.returncode})")
         return verdict, time.monotonic() - started, (run.stdout + run.stderr)[-1500:]
     finally:
+        stop_left_in(tree)
         shutil.rmtree(folder, ignore_errors=True)
+
+
+def stop_left_in(tree):
+    """SIGKILL the processes still running in `tree`: what a broken copy leaked (its
+    workers, the sleeps of its cells), found by their working directory."""
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            cwd = os.readlink(f"/proc/{entry}/cwd")
+        except OSError:  # gone meanwhile, or not ours to read
+            continue
+        if cwd == tree or cwd.startswith(tree + "/") or cwd.startswith(tree + " "):
+            try:
+                os.kill(int(entry), signal.SIGKILL)
+            except ProcessLookupError:  # it exited since
+                pass
 
 
 def main():
