@@ -22,6 +22,7 @@ fail within their own deadlines, not hang.
 import argparse
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -314,7 +315,25 @@ def check(breakage, test, timeout, at=None):
             "passed" if run.returncode == 0 else f"error (pytest exit {run.returncode})")
         return verdict, time.monotonic() - started, (run.stdout + run.stderr)[-1500:]
     finally:
+        stop_left_in(tree)
         shutil.rmtree(folder, ignore_errors=True)
+
+
+def stop_left_in(tree):
+    """SIGKILL the processes still running in `tree`: what a broken copy leaked (its
+    workers, the sleeps of its cells), found by their working directory."""
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            cwd = os.readlink(f"/proc/{entry}/cwd")
+        except OSError:  # gone meanwhile, or not ours to read
+            continue
+        if cwd == tree or cwd.startswith(tree + "/") or cwd.startswith(tree + " "):
+            try:
+                os.kill(int(entry), signal.SIGKILL)
+            except ProcessLookupError:  # it exited since
+                pass
 
 
 def main():
