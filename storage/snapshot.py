@@ -310,15 +310,20 @@ def load_group(store, group, namespace, state):
 
 
 def _assemble(store, keys):
-    """One writable buffer from its chunks, each chunk's key remembered.
+    """One writable buffer from its chunks, each chunk's key remembered with the
+    XXH3-128 of its bytes (storage/pages.py).
 
     Each chunk is verified and written (decompressed) straight into its
     place, so a restore needs the buffer's memory once, not twice (the
-    state's save made every chunk but the last the same size).
+    state's save made every chunk but the last the same size). The digest
+    is taken while the chunk is still in the CPU's cache: with it, a cell
+    that restored a large value itself and only read it saves it again by
+    that digest (about 0.2 s a GB) instead of a SHA-256 (about 1.3 s).
     """
     if len(keys) <= 1:
         buffer = store.blob(keys[0]) if keys else bytearray()
-        pages.remember(memoryview(buffer), keys, max(len(buffer), 1))
+        pages.remember(memoryview(buffer), keys, max(len(buffer), 1),
+                       [pages.digest(buffer)] if keys else None)
         return buffer
     first, last = store.blob(keys[0]), store.blob(keys[-1])
     chunk = len(first)
@@ -329,13 +334,16 @@ def _assemble(store, keys):
     store.prefetch(keys[1:1 + _PREFETCH])
 
     def read(i):
-        """Chunk i into its place, the one _PREFETCH chunks on asked for meanwhile."""
+        """Chunk i into its place, the one _PREFETCH chunks on asked for meanwhile; the
+        digest of its bytes."""
         store.prefetch(keys[i + _PREFETCH:i + _PREFETCH + 1])
-        store.read_into(keys[i], view[i * chunk:(i + 1) * chunk])
+        piece = view[i * chunk:(i + 1) * chunk]
+        store.read_into(keys[i], piece)
+        return pages.digest(piece)
 
-    for _ in threads.ordered(read, range(1, len(keys) - 1), store.threads):
-        pass
-    pages.remember(view, keys, chunk)
+    digests = [pages.digest(first), *threads.ordered(read, range(1, len(keys) - 1),
+                                                     store.threads), pages.digest(last)]
+    pages.remember(view, keys, chunk, digests)
     return buffer
 
 

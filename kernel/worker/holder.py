@@ -9,6 +9,7 @@ state never changes.
 """
 
 import contextlib
+import fcntl
 import gc
 import os
 import select
@@ -24,6 +25,52 @@ from storage.store import StoreCorrupt, encode_manifest
 
 # A spare child warms up only after this long without a request (see StateHolder.warm).
 WARM_AFTER_S = 0.05
+# How often a holder that waits for a child's load to end looks again (see ChildLoads).
+CHILD_LOAD_POLL_S = 0.05
+
+
+class ChildLoads:
+    """Tells a holder whether one of its children is loading values from the store.
+
+    A child forked before its holder had loaded the state loads what its
+    cell needs itself (a cell after a restart). Its holder, meanwhile, would
+    load the same values in the background: on a 1 GB frame after a restart
+    the two restored it at once, on the same cores and memory, and the cell
+    waited for both (issue 27). So the holder loads in the background only
+    while no child loads. A child holds a POSIX lock on a file its holder
+    made while it loads; such a lock goes with its process, so a child that
+    is killed while loading never holds its holder back.
+    """
+
+    def __init__(self):
+        """A new file for the calling holder's children to lock."""
+        self.holder = os.getpid()
+        self.fd = os.memfd_create("child-loads", os.MFD_CLOEXEC)
+
+    @contextlib.contextmanager
+    def held(self):
+        """Hold the lock while loading, in a child (in the holder itself: nothing)."""
+        if os.getpid() == self.holder:
+            yield
+            return
+        fcntl.lockf(self.fd, fcntl.LOCK_SH)  # shared: several children may load at once
+        try:
+            yield
+        finally:
+            fcntl.lockf(self.fd, fcntl.LOCK_UN)
+
+    def now(self):
+        """True while a child holds the lock (in the holder)."""
+        try:
+            fcntl.lockf(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            return True
+        fcntl.lockf(self.fd, fcntl.LOCK_UN)
+        return False
+
+    def close(self):
+        """Close the file (a child that becomes a holder makes its own)."""
+        os.close(self.fd)
 
 
 class StateHolder(WorkerProcess):
@@ -41,6 +88,7 @@ class StateHolder(WorkerProcess):
         self.unloaded_modules = set(manifest["modules"])
         self.load_in_background = True
         self.forks_deferred = 0  # replacement spares to fork once the state is loaded
+        self.child_loads = None  # made when this process starts serving (serve)
         # The process context as of this state ({provider: (blob key, value)}, see
         # kernel/worker/context.py), and what a restore could not apply as it was.
         self.context = {}
@@ -59,6 +107,11 @@ class StateHolder(WorkerProcess):
 
     def load(self, names=None):
         """Load the groups holding `names` (all when None), modules, volatiles."""
+        with self.child_loads.held() if self.child_loads else contextlib.nullcontext():
+            self._load(names)
+
+    def _load(self, names):
+        """`load`, in a child under its holder's lock."""
         self.load_modules(names)
         keep = []
         for group in self.unloaded_groups:
@@ -72,7 +125,7 @@ class StateHolder(WorkerProcess):
         self.unloaded_groups = keep
         if self.unloaded_volatile and (names is None or names & self.unloaded_volatile):
             # A replay may read anything: load the whole state first.
-            self.load(set(self.state_names()) - self.unloaded_volatile)
+            self._load(set(self.state_names()) - self.unloaded_volatile)
             replay.volatile(self.manifest, self.namespace, self.settings,
                             self.unloaded_volatile)
             self.unloaded_volatile = set()
@@ -140,12 +193,19 @@ class StateHolder(WorkerProcess):
         """Idle loop: fork children on request, load unloaded groups meanwhile.
 
         `spares` children are forked first, so that a cell finds one ready.
+        A child that loads values itself has them to itself (ChildLoads).
         """
+        if self.child_loads is not None:
+            self.child_loads.close()  # the holder this process was forked from
+        self.child_loads = ChildLoads()
         for _ in range(spares):
             self.fork_child()
         while True:
             busy = self.load_in_background and self.unloaded_names()
-            ready, _, _ = select.select([self.channel, wake], [], [], 0 if busy else None)
+            timeout = None
+            if busy:
+                timeout = CHILD_LOAD_POLL_S if self.child_loads.now() else 0
+            ready, _, _ = select.select([self.channel, wake], [], [], timeout)
             if wake in ready:
                 self.reap(wake)
             if self.channel in ready:
@@ -159,7 +219,7 @@ class StateHolder(WorkerProcess):
                     # A cell waits for this one; it stands for a deferred one too.
                     self.forks_deferred = max(self.forks_deferred - 1, 0)
                     self.fork_child()
-            elif not ready:
+            elif not ready and timeout == 0:
                 self.load_step()
 
     def leave(self):
