@@ -25,34 +25,33 @@ from storage.store import StoreCorrupt, encode_manifest
 
 # A spare child warms up only after this long without a request (see StateHolder.warm).
 WARM_AFTER_S = 0.05
-# How often a holder that waits for a child's load to end looks again (see ChildLoads).
+# How often a holder that waits for children's loads to end looks again (see ChildLoads).
 CHILD_LOAD_POLL_S = 0.05
 
 
 class ChildLoads:
-    """Tells a holder whether one of its children is loading values from the store.
+    """Tells holders whether a cell's child is loading values from the store.
 
     A child forked before its holder had loaded the state loads what its
-    cell needs itself (a cell after a restart). Its holder, meanwhile, would
-    load the same values in the background: on a 1 GB frame after a restart
-    the two restored it at once, on the same cores and memory, and the cell
-    waited for both (issue 27). So the holder loads in the background only
-    while no child loads. A child holds a POSIX lock on a file its holder
-    made while it loads; such a lock goes with its process, so a child that
-    is killed while loading never holds its holder back.
+    cell needs itself (a cell after a restart). Holders, meanwhile, load
+    their states in the background: on a 1 GB frame after a restart, the
+    child and its holder restored it at once, on the same cores and memory
+    (2 here), and the cell waited for both; from a second state sharing the
+    frame's blobs, the first state's holder did the same to that state's
+    child (issue 27). So holders load in the background only while no child
+    loads. One is made in the zygote, before any fork, and shared by all its
+    holders and their children: a child holds a POSIX lock on its file while
+    it loads. Such a lock goes with its process, so a child killed while
+    loading never holds a holder back.
     """
 
     def __init__(self):
-        """A new file for the calling holder's children to lock."""
-        self.holder = os.getpid()
+        """A new file for children to lock."""
         self.fd = os.memfd_create("child-loads", os.MFD_CLOEXEC)
 
     @contextlib.contextmanager
     def held(self):
-        """Hold the lock while loading, in a child (in the holder itself: nothing)."""
-        if os.getpid() == self.holder:
-            yield
-            return
+        """Hold the lock while loading (in a child)."""
         fcntl.lockf(self.fd, fcntl.LOCK_SH)  # shared: several children may load at once
         try:
             yield
@@ -60,7 +59,7 @@ class ChildLoads:
             fcntl.lockf(self.fd, fcntl.LOCK_UN)
 
     def now(self):
-        """True while a child holds the lock (in the holder)."""
+        """True while a child holds the lock (asked by a holder)."""
         try:
             fcntl.lockf(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError:
@@ -68,16 +67,13 @@ class ChildLoads:
         fcntl.lockf(self.fd, fcntl.LOCK_UN)
         return False
 
-    def close(self):
-        """Close the file (a child that becomes a holder makes its own)."""
-        os.close(self.fd)
-
 
 class StateHolder(WorkerProcess):
     """One state's namespace, loaded lazily; in a forked child, the state a cell runs on."""
 
-    def __init__(self, sock_path, settings, namespace, manifest):
-        """Hold `manifest`'s state, its groups not yet loaded."""
+    def __init__(self, sock_path, settings, namespace, manifest, child_loads):
+        """Hold `manifest`'s state, its groups not yet loaded; `child_loads`: the zygote's
+        ChildLoads."""
         super().__init__(sock_path, settings)
         self.namespace = namespace
         self.manifest = manifest
@@ -88,7 +84,8 @@ class StateHolder(WorkerProcess):
         self.unloaded_modules = set(manifest["modules"])
         self.load_in_background = True
         self.forks_deferred = 0  # replacement spares to fork once the state is loaded
-        self.child_loads = None  # made when this process starts serving (serve)
+        self.child_loads = child_loads
+        self.holder_pid = None  # the process serving the state (see serve)
         # The process context as of this state ({provider: (blob key, value)}, see
         # kernel/worker/context.py), and what a restore could not apply as it was.
         self.context = {}
@@ -107,11 +104,14 @@ class StateHolder(WorkerProcess):
 
     def load(self, names=None):
         """Load the groups holding `names` (all when None), modules, volatiles."""
-        with self.child_loads.held() if self.child_loads else contextlib.nullcontext():
+        if os.getpid() == self.holder_pid:
             self._load(names)
+        else:
+            with self.child_loads.held():  # in a cell's child: holders wait meanwhile
+                self._load(names)
 
     def _load(self, names):
-        """`load`, in a child under its holder's lock."""
+        """`load`, in a child under the children's lock."""
         self.load_modules(names)
         keep = []
         for group in self.unloaded_groups:
@@ -193,11 +193,9 @@ class StateHolder(WorkerProcess):
         """Idle loop: fork children on request, load unloaded groups meanwhile.
 
         `spares` children are forked first, so that a cell finds one ready.
-        A child that loads values itself has them to itself (ChildLoads).
+        While a cell's child loads values, none are loaded here (ChildLoads).
         """
-        if self.child_loads is not None:
-            self.child_loads.close()  # the holder this process was forked from
-        self.child_loads = ChildLoads()
+        self.holder_pid = os.getpid()
         for _ in range(spares):
             self.fork_child()
         while True:
