@@ -84,7 +84,7 @@ def _chunks(pickled, chunk, workers=1, hashed=None):
     """
     known, layout = [], []
     for view in pickled.buffers:
-        entries = pages.known(view, chunk)
+        entries = pages.known(view, chunk, workers)
         known += [(view[start:start + chunk], entry)
                   for start, entry in zip(range(0, view.nbytes, chunk), entries)]
         layout.append(len(entries))
