@@ -281,8 +281,8 @@ def issue_27_rows(table, row):
               f"≤ 1.2× floor ({fmt_ms(1.2 * floor)})", row["first save"] <= 1.2 * floor)
     floor = row["restore floor"]
     table.add("s", f"restore of its buffers in one process, median of {RESTORE_ROUNDS} (floor: "
-              f"the same {fmt_size(row['restored bytes'])} copied into new memory with their "
-              f"XXH3-64, {fmt_ms(floor)})", {"ours": row["restore"]},
+              f"the same {row['restored bytes'] / 1e6:.0f} MB copied into new memory with "
+              f"their XXH3-64, {fmt_ms(floor)})", {"ours": row["restore"]},
               f"≤ 2× floor ({fmt_ms(2 * floor)})", row["restore"] <= 2 * floor)
     for key, source in (("read", "after a restart"),
                         ("read second", "then from a second state sharing its blobs")):
