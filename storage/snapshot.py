@@ -284,17 +284,19 @@ def check_compatible(manifest):
             f"the server with {manifest['python']} or re-run the notebook from 'initial'")
 
 
-def load_group(store, group, namespace, state):
+def load_group(store, group, namespace, state, pause=None):
     """Load one group's members into `namespace` (functions bound to it).
 
     Every blob is verified before it is unpickled; a damaged or missing one
     raises StoreCorrupt naming `state` and the group's variables, and leaves
-    the namespace as it was.
+    the namespace as it was. pause(), if given, is called before each chunk
+    of a large buffer is read (a holder loading in the background waits
+    there while a cell's child loads: kernel/worker/holder.py).
     """
     try:
         payload = store.blob(group["key"])
         layout = group.get("layout") or [1] * len(group["buffers"])
-        buffers = [_assemble(store, [key] if count == 1 else store.chunk_list(key))
+        buffers = [_assemble(store, [key] if count == 1 else store.chunk_list(key), pause)
                    for key, count in zip(group["buffers"], layout)]
     except StoreCorrupt as exc:
         raise StoreCorrupt(
@@ -309,7 +311,7 @@ def load_group(store, group, namespace, state):
     namespace.update(zip(group["members"], values))
 
 
-def _assemble(store, keys):
+def _assemble(store, keys, pause=None):
     """One writable buffer from its chunks, each chunk's key remembered with the
     XXH3-128 of its bytes (storage/pages.py).
 
@@ -336,6 +338,8 @@ def _assemble(store, keys):
     def read(i):
         """Chunk i into its place, the one _PREFETCH chunks on asked for meanwhile; the
         digest of its bytes."""
+        if pause is not None:
+            pause()
         store.prefetch(keys[i + _PREFETCH:i + _PREFETCH + 1])
         piece = view[i * chunk:(i + 1) * chunk]
         store.read_into(keys[i], piece)

@@ -14,6 +14,7 @@ import gc
 import os
 import select
 import signal
+import time
 import traceback
 
 from kernel import protocol, trace
@@ -145,7 +146,7 @@ class StateHolder(WorkerProcess):
                 self.load_modules()
             elif self.unloaded_groups:
                 snapshot.load_group(self.store(), self.unloaded_groups[0], self.namespace,
-                                    self.manifest["name"])
+                                    self.manifest["name"], self.yield_to_children)
                 self.unloaded_groups.pop(0)
             elif self.unloaded_volatile:
                 self.load(set(self.unloaded_volatile))
@@ -157,6 +158,12 @@ class StateHolder(WorkerProcess):
             self.load_in_background = False
             self.channel.send(protocol.Log(traceback.format_exc()))
             self.fork_deferred()
+
+    def yield_to_children(self):
+        """Wait while a cell's child loads (between the chunks of a background load, which
+        may have begun before that child did)."""
+        while self.child_loads.now():
+            time.sleep(CHILD_LOAD_POLL_S)
 
     def fork_deferred(self):
         """Fork the replacement spares asked for while the state was loading."""
