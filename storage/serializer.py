@@ -149,6 +149,9 @@ class _GroupPickler(cloudpickle.Pickler):
             _track_class(obj, self._class_tag)
         elif (reduced := canonical.reduce(obj)) is not None:
             return reduced
+        elif rebuildable_widget(obj):
+            # Its model is the state's (kernel/worker/widgets.py): by reference here.
+            return (_widget, (obj.model_id,))
         elif self._dtype is not None and isinstance(obj, self._dtype) and obj.isbuiltin == 1:
             # A builtin dtype by its name: loaded, it is numpy's own object again (numpy
             # pickles a copy), so arrays restored from one state share it as the live
@@ -168,6 +171,22 @@ class _GroupPickler(cloudpickle.Pickler):
             items = dict(obj) if isinstance(obj, dict) else list(obj)
             return (_container, (type(obj), items), dict(obj.__dict__))
         return super().reducer_override(obj)
+
+
+def rebuildable_widget(obj):
+    """True when `obj` is a live ipywidgets widget of an importable class: a state keeps
+    its model and makes it again after a restore (kernel/worker/widgets.py)."""
+    widget = sys.modules.get("ipywidgets.widgets.widget")
+    return (widget is not None and isinstance(obj, widget.Widget)
+            and type(obj).__module__ != "__main__"
+            and widget._instances.get(obj.model_id) is obj)
+
+
+def _widget(model_id):
+    """The widget of `model_id`, made again by the state's context as ipywidgets is
+    imported (this import)."""
+    from ipywidgets.widgets.widget import _instances
+    return _instances[model_id]
 
 
 def _container(cls, items):
