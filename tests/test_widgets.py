@@ -1,0 +1,145 @@
+"""Widgets and progress bars through the Jupyter kernel (kernel/worker/capture/comms.py,
+kernel/worker/widgets.py): comm messages both ways, live progress, widgets kept across
+a server restart. Real kernels of the test kernelspec (tests/test_jupyter.py's set-up),
+a real server, and JupyterLab in headless Chromium."""
+
+import pytest
+
+from conftest import wait_for
+from test_jupyter import Kernel, data_dir, kernel, stop_server  # noqa: F401 (fixtures)
+
+pytest.importorskip("ipywidgets")
+
+SLIDER = "import ipywidgets\nslider = ipywidgets.IntSlider(value=3, max=10)\nslider\n"
+
+
+def run(k, code, timeout=120):
+    """Execute `code`: (the execute_reply content, every iopub message of the cell but
+    its status)."""
+    seen = []
+    reply = k.client.execute_interactive(
+        code, timeout=timeout,
+        output_hook=lambda msg: seen.append(msg) if msg["msg_type"] != "status" else None)
+    return reply["content"], seen
+
+
+def send_comm(k, msg_type, content):
+    """Send a comm message as a front end does; its iopub messages once the kernel is
+    idle again."""
+    msg = k.client.session.msg(msg_type, content)
+    k.client.shell_channel.send(msg)
+    seen = []
+    while True:
+        got = k.client.get_iopub_msg(timeout=120)
+        if got["parent_header"].get("msg_id") != msg["header"]["msg_id"]:
+            continue
+        if got["msg_type"] == "status":
+            if got["content"]["execution_state"] == "idle":
+                return seen
+        else:
+            seen.append(got)
+
+
+def reply_to(k, msg_id, wait):
+    """The shell reply to `msg_id` (None if it has not come, when not `wait`); other
+    replies are passed over (wait_for_ready may leave a kernel_info_reply behind)."""
+    while wait or k.client.shell_channel.msg_ready():
+        msg = k.client.get_shell_msg(timeout=120)
+        if msg["parent_header"].get("msg_id") == msg_id:
+            return msg
+    return None
+
+
+def make_slider(k):
+    """Run SLIDER; the slider's comm id, checked against what the front end got."""
+    reply, seen = run(k, SLIDER)
+    assert reply["status"] == "ok", reply
+    opens = [m["content"] for m in seen if m["msg_type"] == "comm_open"
+             and m["content"]["data"]["state"].get("_model_name") == "IntSliderModel"]
+    assert len(opens) == 1, seen
+    assert opens[0]["target_name"] == "jupyter.widget"
+    assert opens[0]["data"]["state"]["value"] == 3
+    assert opens[0]["data"]["state"]["max"] == 10
+    comm_id = opens[0]["comm_id"]
+    views = [m["content"]["data"] for m in seen if m["msg_type"] == "execute_result"]
+    assert views[0]["application/vnd.jupyter.widget-view+json"]["model_id"] == comm_id
+    # The front end learns of the comm before it shows its view.
+    kinds = [m["msg_type"] for m in seen]
+    assert kinds.index("comm_open") < kinds.index("execute_result")
+    return comm_id
+
+
+def move_slider(k, comm_id, value):
+    """A front end's update of the slider's value; the kernel's echo of it."""
+    seen = send_comm(k, "comm_msg", {"comm_id": comm_id, "data": {
+        "method": "update", "state": {"value": value}, "buffer_paths": []}})
+    echoes = [m["content"]["data"] for m in seen if m["msg_type"] == "comm_msg"]
+    assert {"method": "echo_update", "state": {"value": value}, "buffer_paths": []} in echoes
+    return seen
+
+
+def test_slider_both_ways(kernel):
+    """A slider made in a cell reaches the front end; a value set there reaches the
+    kernel, and the next cell reads it; comm_info_request lists the comm."""
+    comm_id = make_slider(kernel)
+    move_slider(kernel, comm_id, 7)
+    assert kernel.text("print(slider.value)") == "7\n"
+    kernel.client.comm_info(target_name="jupyter.widget")
+    info = kernel.client.get_shell_msg(timeout=60)
+    assert info["msg_type"] == "comm_info_reply"
+    assert info["content"]["comms"][comm_id] == {"target_name": "jupyter.widget"}
+    # An observer of the widget runs where the widget lives, and prints to the front end.
+    kernel.text("seen = []\nslider.observe(lambda change: print('moved to', change['new']),"
+                " 'value')")
+    seen = move_slider(kernel, comm_id, 2)
+    assert [m["content"]["text"] for m in seen if m["msg_type"] == "stream"] == ["moved to 2\n"]
+    assert kernel.text("print(slider.value)") == "2\n"
+
+
+def test_progress_bar_updates_while_its_cell_runs(kernel, gate):
+    """tqdm.auto draws a widget bar whose updates reach the front end while the cell is
+    still running (it waits at a gate the test opens only once it saw them)."""
+    door = gate()
+    code = ("from tqdm.auto import tqdm\nbar = tqdm(total=3, mininterval=0)\nbar.update(1)\n"
+            + door.code + "bar.update(2)\nbar.close()\ndel bar\n")
+    msg_id = kernel.client.execute(code)
+    values = []
+
+    def progress():
+        """The bar's values seen so far (comm_msg updates of its FloatProgress)."""
+        while kernel.client.iopub_channel.msg_ready():
+            msg = kernel.client.get_iopub_msg(timeout=1)
+            if msg["parent_header"].get("msg_id") != msg_id:
+                continue
+            if msg["msg_type"] == "comm_msg":
+                state = msg["content"]["data"].get("state", {})
+                if "value" in state:
+                    values.append(state["value"])
+            if msg["msg_type"] == "comm_open":
+                assert msg["content"]["target_name"] == "jupyter.widget"
+        return values
+
+    wait_for(lambda: 1 in progress(), what="the bar at 1 of 3 while its cell runs")
+    assert reply_to(kernel, msg_id, wait=False) is None  # the cell has not ended
+    door.open()
+    reply = reply_to(kernel, msg_id, wait=True)
+    assert reply["content"]["status"] == "ok", reply["content"]
+    wait_for(lambda: 3 in progress(), what="the bar at 3 of 3")
+
+
+def test_widget_survives_a_server_restart(kernel, data_dir):  # noqa: F811
+    """A widget comes back after a server restart with the value the front end set, and
+    still answers the front end under the same id; a widget of a class a cell defined
+    is volatile, reported by name."""
+    comm_id = make_slider(kernel)
+    move_slider(kernel, comm_id, 7)
+    reply, _ = run(kernel, "class Mine(ipywidgets.IntSlider):\n    pass\n"
+                           "mine = Mine(value=4)\nmine.value = 5\n")
+    assert reply["status"] == "ok", reply
+    stop_server(data_dir)
+    assert kernel.text("print(slider.value, slider.max, type(slider).__name__, "
+                       "slider.layout.__class__.__name__)") == "7 10 IntSlider Layout\n"
+    move_slider(kernel, comm_id, 9)
+    assert kernel.text("print(slider.value)") == "9\n"
+    # Not rebuilt from its model: remade by its cell (replayed), with that cell's value.
+    assert kernel.text("print(mine.value)") == "5\n"
