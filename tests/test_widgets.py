@@ -6,7 +6,7 @@ a real server, and JupyterLab in headless Chromium."""
 import pytest
 
 from conftest import wait_for
-from test_jupyter import Kernel, data_dir, kernel, stop_server  # noqa: F401 (fixtures)
+from test_jupyter import data_dir, kernel, lab, stop_server  # noqa: F401 (fixtures)
 
 pytest.importorskip("ipywidgets")
 
@@ -143,3 +143,38 @@ def test_widget_survives_a_server_restart(kernel, data_dir):  # noqa: F811
     assert kernel.text("print(slider.value)") == "9\n"
     # Not rebuilt from its model: remade by its cell (replayed), with that cell's value.
     assert kernel.text("print(mine.value)") == "5\n"
+
+
+def test_widgets_in_jupyterlab(lab):
+    """In JupyterLab in headless Chromium: a slider renders, moving it with the keyboard
+    changes the value the next cell reads, and a tqdm.auto bar shows."""
+    By, Keys = lab.By, lab.Keys
+    lab.open("widgets.ipynb")
+    lab.run_in_last_cell(SLIDER.strip())
+
+    def readouts():
+        """The texts of the sliders' readouts on the page."""
+        return [e.text for e in lab.browser.find_elements(By.CSS_SELECTOR,
+                                                          ".widget-slider .widget-readout")]
+
+    wait_for(lambda: readouts() == ["3"], timeout=120, what="the slider to render at 3")
+    handle = lab.browser.find_element(By.CSS_SELECTOR, ".widget-slider .noUi-handle")
+    handle.click()
+    handle.send_keys(Keys.ARROW_RIGHT, Keys.ARROW_RIGHT, Keys.ARROW_RIGHT)
+    wait_for(lambda: readouts() == ["6"], what="the slider moved to 6 on the page")
+    wait_for(lab.idle, timeout=120, what="the kernel to take the slider's moves")
+    lab.run_in_last_cell("print('the kernel reads', slider.value)")
+    wait_for(lambda: "the kernel reads 6" in lab.outputs(), timeout=120,
+             what="the next cell to read the value set on the page")
+    lab.run_in_last_cell("from tqdm.auto import tqdm\nfor i in tqdm(range(4), desc='steps'):\n"
+                         "    pass")
+
+    def bars():
+        """The progress bars' texts (description and count; tqdm pads with figure
+        spaces, made plain here) on the page."""
+        return [" ".join(e.text.split()) for e in lab.browser.find_elements(By.CSS_SELECTOR,
+                                                          ".jp-OutputArea-output")
+                if e.find_elements(By.CSS_SELECTOR, ".widget-hprogress .progress-bar")]
+
+    wait_for(lambda: any("steps: 100%" in b and "4/4" in b for b in bars()), timeout=120,
+             what="tqdm's bar to show 4/4")
