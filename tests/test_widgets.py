@@ -3,8 +3,10 @@ kernel/worker/widgets.py): comm messages both ways, live progress, widgets kept 
 a server restart. Real kernels of the test kernelspec (tests/test_jupyter.py's set-up),
 a real server, and JupyterLab in headless Chromium."""
 
+import jsonschema
 import pytest
 
+from api.openapi import document
 from conftest import wait_for
 from test_jupyter import data_dir, kernel, lab, stop_server  # noqa: F401 (fixtures)
 
@@ -76,6 +78,39 @@ def move_slider(k, comm_id, value):
     echoes = [m["content"]["data"] for m in seen if m["msg_type"] == "comm_msg"]
     assert {"method": "echo_update", "state": {"value": value}, "buffer_paths": []} in echoes
     return seen
+
+
+def test_widgets_through_the_api(make_server, tmp_path):
+    """A streamed /execute carries a widget's comm messages as lines of the documented
+    schema; a handled front-end message (protocol.comm_cell) makes a state whose widget
+    has the value, kept over a restart; a widget of a cell's class is volatile, by name."""
+    from kernel.protocol import comm_cell
+    from test_stream import stream
+    srv = make_server(tmp_path / "data")
+    answers = document()["paths"]["/execute"]["post"]["responses"]["200"]["content"]
+    line_schema = answers["application/x-ndjson"]["schema"]
+    lines = list(stream(srv, "/execute", {
+        "code": SLIDER + "class Mine(ipywidgets.IntSlider):\n    pass\nmine = Mine(value=4)\n",
+        "exec_id": "w1", "state_name": "initial", "new_state_name": "w1"}))
+    comms = [x for x in lines if x["type"] == "comm"]
+    for line in comms:
+        jsonschema.validate(line, line_schema)
+    opens = [x for x in comms if x["msg_type"] == "comm_open"]
+    sliders = [x["content"] for x in opens
+               if x["content"]["data"]["state"].get("_model_name") == "IntSliderModel"]
+    assert [s["data"]["state"]["value"] for s in sliders] == [3, 4]
+    answer = lines[-1]["answer"]
+    assert answer["state_name"] == "w1" and answer["volatile_symbols"] == ["Mine", "mine"]
+    assert not any(o["output_type"] == "comm" for o in answer["output"])
+    moved = srv.execute(comm_cell("comm_msg", {"comm_id": sliders[0]["comm_id"], "data": {
+        "method": "update", "state": {"value": 8}, "buffer_paths": []}}), "w1", "w2")
+    assert moved["volatile_symbols"] == ["Mine", "mine"]
+    srv.stop()
+    srv = make_server(tmp_path / "data")
+    assert srv.value("w2", "slider.value, mine.value") == "(8, 4)"
+    assert srv.value("w1", "slider.value") == "3"
+    bad = srv.execute(comm_cell("comm_msg", {"data": {}}), "w2", "w3", ok=False)
+    assert bad["error"]["ename"] == "KeyError" and bad["state_name"] is None
 
 
 def test_slider_both_ways(kernel):
