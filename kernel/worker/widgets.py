@@ -37,21 +37,28 @@ def states():
 
 
 def rebuild(kept):
-    """Make the widgets of `kept` again (states()), with their model ids and states."""
+    """Make the widgets of `kept` again (states()), with their model ids and states;
+    those that cannot be (a class gone, a constructor that needs arguments) are named
+    in the RuntimeError raised once the others are made."""
     import importlib
     instances = _instances()
     before = set(instances)
-    made = []
+    made, failed = [], []
     for model_id, (module, qualname, state) in kept.items():
         if model_id in instances:
             continue
-        cls = importlib.import_module(module)
-        for part in qualname.split("."):
-            cls = getattr(cls, part)
-        made.append((cls(model_id=model_id), state))
+        try:
+            cls = importlib.import_module(module)
+            for part in qualname.split("."):
+                cls = getattr(cls, part)
+            made.append((cls(model_id=model_id), state))
+        except Exception as exc:
+            failed.append(f"{qualname} {model_id} ({type(exc).__name__}: {exc})")
     # States refer to other widgets ("IPY_MODEL_<id>": a slider's layout): all made first.
     for widget, state in made:
         widget.set_state(state)
     # The layouts and styles the constructors made are replaced by the kept ones.
     for model_id in set(instances) - before - set(kept):
         instances[model_id].close()
+    if failed:
+        raise RuntimeError(f"widgets not made again: {'; '.join(failed)}")
