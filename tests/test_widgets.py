@@ -111,6 +111,16 @@ def test_widgets_through_the_api(make_server, tmp_path):
     assert srv.value("w1", "slider.value") == "3"
     bad = srv.execute(comm_cell("comm_msg", {"data": {}}), "w2", "w3", ok=False)
     assert bad["error"]["ename"] == "KeyError" and bad["state_name"] is None
+    # What no comm or target here takes makes no state; an unknown target is closed.
+    unknown = srv.execute(comm_cell("comm_msg", {"comm_id": "nope", "data": {}}), "w2", "w3",
+                          ok=False)
+    assert unknown["error"]["ename"] == "CommNotHandled" and unknown["state_name"] is None
+    lines = list(stream(srv, "/execute", {
+        "code": comm_cell("comm_open", {"comm_id": "c1", "target_name": "nobody", "data": {}}),
+        "exec_id": "w4", "state_name": "w2", "new_state_name": "w4"}))
+    assert [x["msg_type"] for x in lines if x["type"] == "comm"] == ["comm_close"]
+    assert lines[-1]["answer"]["error"]["ename"] == "CommNotHandled"
+    assert srv.get("/states/w4").status_code == 404
 
 
 def test_slider_both_ways(kernel):

@@ -259,9 +259,12 @@ class SnapshotKernel(Kernel):
         except (ServerError, TypeError, ValueError, KeyError) as exc:
             self.log.error("The front end's %s was not handled: %s", msg_type, exc)
             return
-        if answer["error"]:
+        error = answer["error"]
+        if error and error["ename"] == "CommNotHandled":
+            self.log.debug("The front end's %s: %s", msg_type, error["evalue"])
+        elif error:
             self.log.error("The front end's %s failed in the kernel: %s: %s", msg_type,
-                           answer["error"]["ename"], answer["error"]["evalue"])
+                           error["ename"], error["evalue"])
 
     async def comm_info_request(self, stream, ident, parent):
         """The comms open between the cells' processes and the front end."""

@@ -22,6 +22,7 @@ import base64
 import json
 import sys
 
+from kernel.protocol import COMM_MESSAGES
 from kernel.worker.capture import collector
 
 _manager = None  # this process's CommManager, made on first use (inherited by forks)
@@ -77,12 +78,22 @@ def _comm_class():
     return _CellComm
 
 
+class CommNotHandled(Exception):
+    """No comm or target of this process takes the front end's message: the cell that
+    carried it fails, so it makes no state (the head stays)."""
+
+
 def deliver(msg_type, message):
     """Hand a message from the front end (`message`: the JSON of {content, metadata,
-    buffers}, buffers base64) to this process's comm manager, as ipykernel does."""
+    buffers}, buffers base64) to this process's comm manager, as ipykernel does.
+
+    A comm_open for a target nobody registered is answered with comm_close, as
+    ipykernel answers it, then CommNotHandled; so is a message for a comm this
+    process does not have.
+    """
     from kernel.worker.capture import libraries  # (it imports this module)
     message = json.loads(message)
-    if msg_type not in ("comm_open", "comm_msg", "comm_close"):
+    if msg_type not in COMM_MESSAGES:
         raise ValueError(f"not a comm message: {msg_type!r}")
     if libraries.awaited("ipywidgets"):
         # A restored state's widgets are rebuilt as ipywidgets is imported.
@@ -90,7 +101,23 @@ def deliver(msg_type, message):
     msg = {"header": {"msg_type": msg_type}, "content": message["content"],
            "metadata": message.get("metadata") or {},
            "buffers": [base64.b64decode(b) for b in message.get("buffers") or ()]}
-    getattr(get_comm_manager(), msg_type)(None, None, msg)
+    manager = get_comm_manager()
+    content = msg["content"]
+    if msg_type == "comm_open":
+        known = content["target_name"] in manager.targets
+    else:
+        known = content["comm_id"] in manager.comms
+    if known:
+        getattr(manager, msg_type)(None, None, msg)
+        return
+    if msg_type == "comm_open":
+        # ipykernel's answer to an unknown target (without its log line on stderr).
+        comm = create_comm(comm_id=content["comm_id"], primary=False,
+                           target_name=content["target_name"])
+        manager.register_comm(comm)
+        comm.close()
+    raise CommNotHandled(f"no comm or target here for the front end's {msg_type} "
+                         f"({content.get('target_name') or content.get('comm_id')})")
 
 
 def notebook_tqdm():
