@@ -257,9 +257,9 @@ BREAKAGES = [
     # tests/test_widgets.py ---------------------------------------------------------
     B("comms-cut", "the Jupyter kernel does not relay its cells' comm messages",
       [("kernel/jupyter/kernel.py",
-        "                        self._note_comm(event[\"msg_type\"], event[\"content\"])\n"
-        "                        relay.comm(event)\n",
-        "                        pass\n")],
+        "                    self._note_comm(event[\"msg_type\"], event[\"content\"])\n"
+        "                    relay.comm(event)\n",
+        "                    pass\n")],
       ["tests/test_widgets.py::test_slider_both_ways",
        "tests/test_widgets.py::test_progress_bar_updates_while_its_cell_runs",
        "tests/test_widgets.py::test_widgets_in_jupyterlab"]),

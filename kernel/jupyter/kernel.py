@@ -57,7 +57,7 @@ class SnapshotKernel(Kernel):
         self.running = None  # the exec_id of the cell on the server, for interrupts
         self.startup_error = None
         # One change of the session's head at a time (a cell, a front end's comm message).
-        self.advancing = threading.RLock()
+        self.advancing = threading.Lock()
         self.comms = {}  # comm id -> target name, of the comms open with the front end
         for msg_type in protocol.COMM_MESSAGES:
             self.shell_handlers[msg_type] = self.comm_message
@@ -191,7 +191,8 @@ class SnapshotKernel(Kernel):
     def _advance(self, code, head, new_name, n, line, parent):
         """Run `code` from `head` into `new_name`, its outputs and comm messages relayed
         to the front end as replies to `parent`; on success the session's head moves
-        there (recorded as cell `n`, `line` its code). (the answer, the relay)."""
+        there (recorded as cell `n`, `line` its code). (the answer, the relay). The
+        caller holds `advancing` from its reading of the head on."""
         exec_id = f"jupyter-{uuid.uuid4().hex}"
 
         def send(msg_type, content, metadata=None, buffers=None):
@@ -201,32 +202,30 @@ class SnapshotKernel(Kernel):
 
         relay = iopub.OutputRelay(send, n, self.settings["jupyter.stream_flush_s"])
         answer = None
-        with self.advancing:
-            self.running = exec_id
-            try:
-                events = self._server_call(
-                    # Jupyter starts a kernel in its notebook's folder: the cells run there.
-                    lambda c: c.execute_streamed(code, exec_id, head, new_name, os.getcwd()))
-                for event in events:
-                    if event["type"] == "output":
-                        relay.output(event["output"])
-                    elif event["type"] == "clear_output":
-                        relay.clear_output(event["wait"])
-                    elif event["type"] == "comm":
-                        self._note_comm(event["msg_type"], event["content"])
-                        relay.comm(event)
-                    elif event["type"] == "answer":
-                        answer = event["answer"]
-            finally:
-                self.running = None
-                relay.flush()
-            if answer is None:
-                raise ServerError("the server's answer ended before the cell's",
-                                  "ServerUnreachable")
-            if answer.get("state_name"):
-                with self.sessions.change(self.session_name) as session:
-                    session.head = answer["state_name"]
-                    self.sessions.append(session, n, answer["state_name"], head, line)
+        self.running = exec_id
+        try:
+            events = self._server_call(
+                # Jupyter starts a kernel in its notebook's folder: the cells run there.
+                lambda c: c.execute_streamed(code, exec_id, head, new_name, os.getcwd()))
+            for event in events:
+                if event["type"] == "output":
+                    relay.output(event["output"])
+                elif event["type"] == "clear_output":
+                    relay.clear_output(event["wait"])
+                elif event["type"] == "comm":
+                    self._note_comm(event["msg_type"], event["content"])
+                    relay.comm(event)
+                elif event["type"] == "answer":
+                    answer = event["answer"]
+        finally:
+            self.running = None
+            relay.flush()
+        if answer is None:
+            raise ServerError("the server's answer ended before the cell's", "ServerUnreachable")
+        if answer.get("state_name"):
+            with self.sessions.change(self.session_name) as session:
+                session.head = answer["state_name"]
+                self.sessions.append(session, n, answer["state_name"], head, line)
         return answer, relay
 
     # Comms ----------------------------------------------------------------------
@@ -256,7 +255,7 @@ class SnapshotKernel(Kernel):
                 name = session.state_name(f"{n}.{msg_type}-{uuid.uuid4().hex[:12]}")
                 answer, _ = self._advance(code, session.head, name, n,
                                           f"# {msg_type} from the front end", parent)
-        except (ServerError, TypeError, ValueError, KeyError) as exc:
+        except (ServerError, TypeError, ValueError) as exc:  # (not JSON: TypeError)
             self.log.error("The front end's %s was not handled: %s", msg_type, exc)
             return
         error = answer["error"]
