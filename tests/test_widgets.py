@@ -105,9 +105,11 @@ def test_widgets_through_the_api(make_server, tmp_path):
     moved = srv.execute(comm_cell("comm_msg", {"comm_id": sliders[0]["comm_id"], "data": {
         "method": "update", "state": {"value": 8}, "buffer_paths": []}}), "w1", "w2")
     assert moved["volatile_symbols"] == ["Mine", "mine"]
+    srv.execute("slider.max = 20", "w2", "w2b")  # a cell's change, from a later state
     srv.stop()
     srv = make_server(tmp_path / "data")
-    assert srv.value("w2", "slider.value, mine.value") == "(8, 4)"
+    assert srv.value("w2", "slider.value, slider.max, mine.value") == "(8, 10, 4)"
+    assert srv.value("w2b", "slider.value, slider.max") == "(8, 20)"
     assert srv.value("w1", "slider.value") == "3"
     bad = srv.execute(comm_cell("comm_msg", {"data": {}}), "w2", "w3", ok=False)
     assert bad["error"]["ename"] == "KeyError" and bad["state_name"] is None
