@@ -330,24 +330,33 @@ def modules_named(payload):
     """The modules a payload's globals come from, as far as its first opcodes tell.
 
     A hint only: a restore imports them while the memory of its large
-    buffers is faulted in (storage/snapshot.py). A module's name is pushed
-    as a string the first time the pickle names it (later, from the memo).
+    buffers is faulted in (storage/snapshot.py). Strings are followed through
+    the memo, since a module named twice is named the second time from there.
     """
-    found, last = set(), [None, None]  # the two values pushed last, if strings
+    found, memo, last = set(), {}, [None, None]  # last: the two values pushed last
     try:
         for count, (op, arg, _) in enumerate(pickletools.genops(payload)):
             if count == _MODULE_SCAN_OPS:
                 break
-            if op.name == "STACK_GLOBAL":
+            if op.name == "MEMOIZE":
+                memo[len(memo)] = last[-1]
+            elif op.name.endswith("PUT"):
+                memo[arg] = last[-1]
+            elif op.name in ("FRAME", "PROTO", "STOP"):
+                pass
+            elif op.name == "STACK_GLOBAL":
                 found.add(last[-2])
+                last.append(None)
             elif op.name == "GLOBAL":
                 found.add(arg.partition(" ")[0])
-            elif op.name in ("MEMOIZE", "FRAME", "PROTO") or op.name.endswith("PUT"):
-                continue  # pushes nothing
-            last = [last[-1], arg if op.name.endswith("UNICODE") else None]
+                last.append(None)
+            else:
+                pushed = memo.get(arg) if op.name.endswith("GET") else arg
+                last.append(pushed if isinstance(pushed, str) else None)
+            del last[:-2]
     except (ValueError, EOFError):  # not a pickle that can be read ahead
         pass
-    return {name for name in found if name} - {"__main__", "builtins"}
+    return {name for name in found if isinstance(name, str)} - {"__main__", "builtins"}
 
 
 def loads(payload, buffers, pickler):

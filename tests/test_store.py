@@ -403,42 +403,6 @@ def test_holders_wait_while_a_child_loads_and_not_once_it_is_killed():
     os.close(loads.fd)
 
 
-def test_a_restore_reads_ahead_every_module_its_pickle_imports(tmp_path):
-    """The modules a group's pickle names, read ahead of its unpickling (imported while
-    its buffers' memory is faulted in), are exactly those the unpickler asks for; the
-    group loads whole."""
-    import pickle
-
-    import numpy as np
-    import pandas as pd
-
-    from storage import serializer, snapshot
-    frame = pd.DataFrame({"a": np.arange(3.0), "t": pd.to_datetime([0, 1, 2])})
-    values = [frame, pd.Timestamp(5), np.float32(2), {"when": pd.Timestamp(7)}]
-    pickled = serializer.dumps(values, {}, "", 4096)
-    asked = set()
-
-    class Recording(pickle.Unpickler):
-        def find_class(self, module, name):
-            asked.add(module)
-            return super().find_class(module, name)
-
-    import io
-    Recording(io.BytesIO(pickled.payload), buffers=pickled.buffers).load()
-    assert len(asked) > 3
-    assert serializer.modules_named(pickled.payload) == asked - {"builtins", "__main__"}
-    settings = config.load()
-    store = Store(str(tmp_path / "s"), settings)
-    manifest = snapshot.new_manifest("s")
-    big = {"df": pd.DataFrame({"x": np.arange(2 ** 20, dtype=float)})}  # 8 MiB: chunked
-    snapshot.commit(store, manifest, snapshot.save_groups(store, manifest, big, ["df"],
-                                                          settings))
-    namespace = {}
-    snapshot.load_group(store, manifest["groups"][0], namespace, "s")
-    assert namespace["df"].equals(big["df"])
-    store.close()
-
-
 def test_a_chunk_made_again_with_the_same_bytes_takes_the_key_its_digest_is_known_by():
     """A value made again (`train = df[mask]` in a re-run cell) is a new array with old
     bytes: each chunk whose XXH3-128 matches a chunk this process stored takes that
