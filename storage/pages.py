@@ -23,11 +23,9 @@ fork 19 ms in 4 KB pages and 1 ms in 2 MB ones.
 """
 
 import contextlib
-import ctypes
 import mmap
 import os
 import sys
-import threading
 import weakref
 
 import xxhash
@@ -83,43 +81,6 @@ def allocate(size):
     with contextlib.suppress(AttributeError, OSError):  # no THP here: small pages
         buffer.madvise(mmap.MADV_HUGEPAGE)
     return buffer
-
-
-# madvise(MADV_POPULATE_WRITE) (Linux 5.14): fault a range in, writable, writing nothing.
-_MADV_POPULATE_WRITE = 23
-_libc = ctypes.CDLL(None, use_errno=True)
-_libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-
-
-@contextlib.contextmanager
-def faulted_in(buffers):
-    """Fault in the pages of `buffers` (those `allocate` mapped) on a thread of its own
-    while the body runs; the thread is over when the body is.
-
-    The first touch of new memory is most of a large restore's cost on a
-    virtual machine that backs its memory lazily (seconds a GB, mostly
-    spent waiting, BENCHMARKS.md issue 27). madvise called through ctypes
-    runs without the GIL, so the body (imports, copying chunks in) goes on
-    meanwhile, and the copy finds its pages there. Without MADV_POPULATE_WRITE
-    (older kernels) the copy takes the faults as before.
-    """
-    spans = [(ctypes.c_char * len(b)).from_buffer(b) for b in buffers if isinstance(b, mmap.mmap)]
-    if not spans:
-        yield
-        return
-
-    def populate():
-        """Fault each buffer in, the largest first."""
-        for span in sorted(spans, key=ctypes.sizeof, reverse=True):
-            _libc.madvise(ctypes.addressof(span), ctypes.sizeof(span), _MADV_POPULATE_WRITE)
-
-    worker = threading.Thread(target=populate, name="fault-in", daemon=True)
-    worker.start()
-    try:
-        yield
-    finally:
-        worker.join()  # a worker forks after a restore: no thread may be left in it
-        del spans[:]
 
 
 def buffer_address(view):

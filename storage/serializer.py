@@ -13,7 +13,6 @@ still writes through to `a` after a restore.
 import hashlib
 import io
 import pickle
-import pickletools
 import sys
 import types
 
@@ -319,44 +318,6 @@ class _Unpickler(pickle.Unpickler):
         if name == "_frombuffer" and module in ("numpy._core.numeric", "numpy.core.numeric"):
             return _frombuffer
         return super().find_class(module, name)
-
-
-# How many opcodes of a payload `modules_named` reads: a group's modules are named
-# near its start, and a long payload of many small objects must not be read twice.
-_MODULE_SCAN_OPS = 4096
-
-
-def modules_named(payload):
-    """The modules a payload's globals come from, as far as its first opcodes tell.
-
-    A hint only: a restore imports them while the memory of its large
-    buffers is faulted in (storage/snapshot.py). Strings are followed through
-    the memo, since a module named twice is named the second time from there.
-    """
-    found, memo, last = set(), {}, [None, None]  # last: the two values pushed last
-    try:
-        for count, (op, arg, _) in enumerate(pickletools.genops(payload)):
-            if count == _MODULE_SCAN_OPS:
-                break
-            if op.name == "MEMOIZE":
-                memo[len(memo)] = last[-1]
-            elif op.name.endswith("PUT"):
-                memo[arg] = last[-1]
-            elif op.name in ("FRAME", "PROTO", "STOP"):
-                pass
-            elif op.name == "STACK_GLOBAL":
-                found.add(last[-2])
-                last.append(None)
-            elif op.name == "GLOBAL":
-                found.add(arg.partition(" ")[0])
-                last.append(None)
-            else:
-                pushed = memo.get(arg) if op.name.endswith("GET") else arg
-                last.append(pushed if isinstance(pushed, str) else None)
-            del last[:-2]
-    except (ValueError, EOFError):  # not a pickle that can be read ahead
-        pass
-    return {name for name in found if isinstance(name, str)} - {"__main__", "builtins"}
 
 
 def loads(payload, buffers, pickler):

@@ -291,21 +291,13 @@ def load_group(store, group, namespace, state, pause=None):
     raises StoreCorrupt naming `state` and the group's variables, and leaves
     the namespace as it was. pause(), if given, is called before each chunk
     of a large buffer is read (a holder loading in the background waits
-    there while a cell's child loads: kernel/worker/holder.py). Without it (a
-    cell waits for the group), the modules the group's pickle names are
-    imported while the memory of its large buffers is faulted in, on a
-    thread of its own (storage/pages.py `faulted_in`): after a restart both
-    cost seconds, one the CPU, the other mostly waiting (issue 27).
+    there while a cell's child loads: kernel/worker/holder.py).
     """
     try:
         payload = store.blob(group["key"])
         layout = group.get("layout") or [1] * len(group["buffers"])
-        targets = [_Target(store, [key] if count == 1 else store.chunk_list(key))
+        buffers = [_assemble(store, [key] if count == 1 else store.chunk_list(key), pause)
                    for key, count in zip(group["buffers"], layout)]
-        with pages.faulted_in([t.buffer for t in targets] if pause is None else []):
-            if pause is None:
-                _import_ahead(payload)
-            buffers = [t.fill(pause) for t in targets]
     except StoreCorrupt as exc:
         raise StoreCorrupt(
             f"state {state!r} cannot be loaded: the stored value of "
@@ -319,66 +311,44 @@ def load_group(store, group, namespace, state, pause=None):
     namespace.update(zip(group["members"], values))
 
 
-def _import_ahead(payload):
-    """Import the modules `payload` names, before it is unpickled."""
-    for module in sorted(serializer.modules_named(payload)):
-        try:
-            importlib.import_module(module)
-        except Exception:  # the unpickling imports it again and reports the error
-            pass
+def _assemble(store, keys, pause=None):
+    """One writable buffer from its chunks, each chunk's key remembered with the
+    XXH3-128 of its bytes (storage/pages.py).
 
-
-class _Target:
-    """One buffer of a group being restored: its memory allocated at once, its chunks
-    written in by `fill`."""
-
-    def __init__(self, store, keys):
-        """Allocate the buffer of the chunks `keys` (read whole if there is one)."""
-        self.store, self.keys = store, keys
-        if len(keys) <= 1:
-            self.buffer = store.blob(keys[0]) if keys else bytearray()
-            return
-        self.first, self.last = store.blob(keys[0]), store.blob(keys[-1])
-        self.buffer = pages.allocate(len(self.first) * (len(keys) - 1) + len(self.last))
-
-    def fill(self, pause=None):
-        """The buffer, each chunk's key remembered with the XXH3-128 of its bytes
-        (storage/pages.py).
-
-        Each chunk is verified and written (decompressed) straight into its
-        place, so a restore needs the buffer's memory once, not twice (the
-        state's save made every chunk but the last the same size). The
-        digest is taken while the chunk is still in the CPU's cache: with
-        it, a cell that restored a large value itself and only read it saves
-        it again by that digest (about 0.2 s a GB) instead of a SHA-256
-        (about 1.3 s).
-        """
-        store, keys, buffer = self.store, self.keys, self.buffer
-        if len(keys) <= 1:
-            pages.remember(memoryview(buffer), keys, max(len(buffer), 1),
-                           [pages.digest(buffer)] if keys else None)
-            return buffer
-        first, last = self.first, self.last
-        chunk = len(first)
-        view = memoryview(buffer)
-        view[:chunk] = first
-        view[len(view) - len(last):] = last
-        store.prefetch(keys[1:1 + _PREFETCH])
-
-        def read(i):
-            """Chunk i into its place, the one _PREFETCH chunks on asked for meanwhile;
-            the digest of its bytes."""
-            if pause is not None:
-                pause()
-            store.prefetch(keys[i + _PREFETCH:i + _PREFETCH + 1])
-            piece = view[i * chunk:(i + 1) * chunk]
-            store.read_into(keys[i], piece)
-            return pages.digest(piece)
-
-        digests = [pages.digest(first), *threads.ordered(read, range(1, len(keys) - 1),
-                                                         store.threads), pages.digest(last)]
-        pages.remember(view, keys, chunk, digests)
+    Each chunk is verified and written (decompressed) straight into its
+    place, so a restore needs the buffer's memory once, not twice (the
+    state's save made every chunk but the last the same size). The digest
+    is taken while the chunk is still in the CPU's cache: with it, a cell
+    that restored a large value itself and only read it saves it again by
+    that digest (about 0.2 s a GB) instead of a SHA-256 (about 1.3 s).
+    """
+    if len(keys) <= 1:
+        buffer = store.blob(keys[0]) if keys else bytearray()
+        pages.remember(memoryview(buffer), keys, max(len(buffer), 1),
+                       [pages.digest(buffer)] if keys else None)
         return buffer
+    first, last = store.blob(keys[0]), store.blob(keys[-1])
+    chunk = len(first)
+    buffer = pages.allocate(chunk * (len(keys) - 1) + len(last))
+    view = memoryview(buffer)
+    view[:chunk] = first
+    view[len(view) - len(last):] = last
+    store.prefetch(keys[1:1 + _PREFETCH])
+
+    def read(i):
+        """Chunk i into its place, the one _PREFETCH chunks on asked for meanwhile; the
+        digest of its bytes."""
+        if pause is not None:
+            pause()
+        store.prefetch(keys[i + _PREFETCH:i + _PREFETCH + 1])
+        piece = view[i * chunk:(i + 1) * chunk]
+        store.read_into(keys[i], piece)
+        return pages.digest(piece)
+
+    digests = [pages.digest(first), *threads.ordered(read, range(1, len(keys) - 1),
+                                                     store.threads), pages.digest(last)]
+    pages.remember(view, keys, chunk, digests)
+    return buffer
 
 
 def load_modules(manifest, namespace, names=None):
