@@ -63,9 +63,12 @@ class CellRuns:
                 run.stopped = ("KeyboardInterrupt", "interrupted before the cell started")
         try:
             try:
-                run.child = self._take_child(manifest)
+                run.child, step = self._take_child(manifest,
+                                                   isinstance(request, protocol.Execute))
             except WorkerError as exc:
                 return request.failed(protocol.error(exc.ename, str(exc))), None
+            if step:
+                request = request._replace(input_holder=False)
             if run.stopped:
                 run.child.kill()
                 return request.failed(protocol.error(*run.stopped)), None
@@ -84,16 +87,17 @@ class CellRuns:
             if run.child is not None:
                 self.pool.cell_done()
 
-    def _take_child(self, manifest):
-        """A child of the state's live holder, restoring the state anew each time that
-        holder is evicted or replaced between being found and giving a child (states
+    def _take_child(self, manifest, chain):
+        """(a child of the state's live holder, whether it is a chain step: see
+        Pool.take_child), restoring the state anew each time that holder is
+        evicted or replaced between being found and giving a child (states
         restored by concurrent requests can evict each other), for at most
-        worker_start_timeout_s."""
+        worker_start_timeout_s. `chain`: the request is an Execute."""
         deadline = time.monotonic() + self.settings["workers.worker_start_timeout_s"]
         while True:
             live = self.pool.live_state(manifest)
             try:
-                return self.pool.take_child(live)
+                return self.pool.take_child(live, chain)
             except WorkerError:
                 if live.alive() or time.monotonic() > deadline:
                     raise

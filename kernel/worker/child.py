@@ -64,14 +64,21 @@ class CellChild:
                 # Fork once the server has read the answer and sent its reply (a fork at
                 # once delays both, by a millisecond or more when the cores were idle),
                 # or as soon as the next request comes: it must not run before the
-                # state has its holder.
-                select.select([self.channel], [], [], HOLDER_AFTER_S)
+                # state has its holder, unless the server made it a chain step.
+                made_by = msg.exec_id
+                msg = None
+                if select.select([self.channel], [], [], HOLDER_AFTER_S)[0]:
+                    msg = self.channel.recv()
+                    if isinstance(msg, protocol.Execute) and not msg.input_holder:
+                        continue
                 self.fork_holder()
-                trace.stamp("forked", msg.exec_id)
-                self.state.warm(wait=False)
-                trace.stamp("warmed", msg.exec_id)
+                trace.stamp("forked", made_by)
+                if msg is None:
+                    self.state.warm(wait=False)
+                    trace.stamp("warmed", made_by)
                 self.reap_holders()  # those stopped while this one was forked
-                msg = self.channel.recv()
+                if msg is None:
+                    msg = self.channel.recv()
             except (ChannelClosed, OSError):
                 os._exit(0)
 
