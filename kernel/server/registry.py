@@ -64,14 +64,14 @@ class Registry:
             self.names[INITIAL] = manifest
 
     def close(self):
-        """Stop every worker process; with durability = "async", flush the store to disk;
+        """Stop every worker process; flush the store to disk (states written since the
+        last flush: with durability = "async", or by a notebook run cut short);
         close this process's handle on it. Once: later calls do nothing."""
         if self.closed:
             return
         self.closed = True
         self.pool.close()
-        if self.settings["store.durability"] == "async":
-            self.store.sync()
+        self.store.sync()
         Store.release(self.settings["server.data_dir"])
 
     # Metadata ----------------------------------------------------------------

@@ -7,6 +7,7 @@ workloads asked for, in the order of `WORKLOADS`.
 
 import contextlib
 import itertools
+import os
 import shutil
 import tempfile
 import threading
@@ -122,9 +123,10 @@ def _chain(peers, base, cells, pause):
     turn = 1 if pause else BURST
     for start in range(0, max(cells.values()), turn):
         for kind, peer in peers.items():
+            os.sync()  # the peers before this one flushed, as before each cell (peers.py)
             for i in range(start, min(start + turn, cells[kind])):
                 time.sleep(pause)
-                elapsed, answer = peer.must("x += 1", state[kind])
+                elapsed, answer = peer.must("x += 1", state[kind], flush=bool(pause))
                 times[kind].append(elapsed)
                 state[kind] = answer["state_name"]
                 made[kind].append(state[kind])
