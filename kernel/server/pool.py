@@ -374,7 +374,8 @@ class Pool:
 
     def take_child(self, live, chain=False):
         """(a child of `live`'s holder ready to run a request (a spare, or a new
-        fork), whether it is a chain step).
+        fork), whether that child holds the state alone: it made the state and
+        forks no holder, the state being holderless or this request a chain step).
 
         `chain` (an Execute): if the child that made the state has not forked
         its holder yet (a client that sends its next cell as soon as it has
@@ -386,7 +387,7 @@ class Pool:
         Pair every successful call with `cell_done` once the request is over.
         """
         if live.holderless:
-            return self._take_only_child(live), False
+            return self._take_only_child(live), True
         if chain and not self.settings["workers.hold_chain_steps"]:
             child = self._take_maker(live)
             if child is not None:
