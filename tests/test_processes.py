@@ -328,7 +328,8 @@ def test_state_left_behind_by_a_run_in_order_gets_a_spare_once_quiet(make_server
     """The child that made a state is taken by the next cell without a replacement being
     forked at once (it would compete with that cell); once no cell has run for
     spare_after_quiet_s, the state's holder forks a spare, and a later cell runs in it."""
-    srv = make_server(config="[workers]\nhold_chain_steps = true\nspare_after_quiet_s = 0.3\n")
+    srv = make_server(config="[workers]\nhold_chain_steps = true\n"
+                             "spare_after_quiet_s = 0.3\n")
     holder = _leave_state_behind(srv, "left")
     spares = _children(holder)
     pid, parent = _run_in(srv, "left")
@@ -341,7 +342,8 @@ def test_state_run_again_before_the_quiet_moment_gets_its_spare_at_once(make_ser
     asks for its deferred spare at once, so the cell after finds one ready."""
     path = tmp_path / "trace.jsonl"
     srv = make_server(config=f'[server]\ntrace_file = "{path}"\n'
-                             "[workers]\nhold_chain_steps = true\nspare_after_quiet_s = 600\n")
+                             "[workers]\nhold_chain_steps = true\n"
+                             "spare_after_quiet_s = 600\n")
     holder = _leave_state_behind(srv, "again")
     first, _ = _run_in(srv, "again", exec_id="again-1")
     # Deferred (the quiet moment is 10 minutes away): the holder forked nothing before
@@ -363,7 +365,8 @@ def test_spares_owed_after_a_run_in_order_come_one_at_a_time_last_used_first(mak
     held up the next run's first cell)."""
     path = tmp_path / "trace.jsonl"
     srv = make_server(config=f'[server]\ntrace_file = "{path}"\n'
-                             "[workers]\nhold_chain_steps = true\nspare_after_quiet_s = 0.5\n")
+                             "[workers]\nhold_chain_steps = true\n"
+                             "spare_after_quiet_s = 0.5\n")
     srv.execute("import os\nx = 1", new="c0")
     seen, holders = set(), []
     for i in range(1, 4):
