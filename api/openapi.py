@@ -75,14 +75,23 @@ _EXECUTE_ANSWER = {"type": "object", "required": list(_ANSWER_FIELDS),
 _STREAM = {"type": "boolean", "nullable": True,
            "description": "true: answer application/x-ndjson, one line per output item as "
                           "the cell produces it ({\"type\": \"output\", \"output\"} or "
-                          "{\"type\": \"clear_output\", \"wait\"}), then "
-                          "{\"type\": \"answer\", \"answer\"}"}
+                          "{\"type\": \"clear_output\", \"wait\"}) or comm message "
+                          "of a widget ({\"type\": \"comm\", \"msg_type\", \"content\", "
+                          "\"metadata\", \"buffers\"}), then {\"type\": \"answer\", "
+                          "\"answer\"}"}
 
 # One line of a streamed answer (OpenAPI has no NDJSON: the schema is that of a line).
 _STREAM_LINE = {
     "type": "object", "required": ["type"],
-    "properties": {"type": {"type": "string", "enum": ["output", "clear_output", "answer"]},
+    "properties": {"type": {"type": "string",
+                            "enum": ["output", "clear_output", "comm", "answer"]},
                    "output": _OUTPUT, "wait": {"type": "boolean"},
+                   # A comm message of the cell's process to the front end, as Jupyter's
+                   # iopub carries it (kernel/worker/capture/comms.py); buffers base64.
+                   "msg_type": {"type": "string",
+                                "enum": ["comm_open", "comm_msg", "comm_close"]},
+                   "content": {"type": "object"}, "metadata": {"type": "object"},
+                   "buffers": {"type": "array", "items": {"type": "string"}},
                    "answer": _EXECUTE_ANSWER},
 }
 

@@ -27,6 +27,7 @@ Any worker may send `Exited` (a child of its own ended) and `Log`.
 import dataclasses
 import datetime
 import enum
+import json
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -197,6 +198,23 @@ class Exited(NamedTuple):
 class Log(NamedTuple):
     """A line for the server's log."""
     text: str
+
+
+# Comm messages from a front end (the Jupyter kernel's comm_open, comm_msg, comm_close)
+# reach the state's process as a cell of this one call: handled there, they make a new
+# state as any cell does (kernel/worker/capture/comms.py `deliver`).
+COMM_MESSAGES = ("comm_open", "comm_msg", "comm_close")
+
+
+def comm_cell(msg_type, content, metadata=None, buffers=()):
+    """The code of the cell that hands one front-end comm message to the state's
+    process (`buffers`: base64 strings)."""
+    if msg_type not in COMM_MESSAGES:
+        raise ValueError(f"not a comm message: {msg_type!r}")
+    message = json.dumps({"content": content, "metadata": metadata or {},
+                          "buffers": list(buffers)})
+    return (f"__import__('kernel.worker.capture.comms', fromlist=['deliver'])"
+            f".deliver({msg_type!r}, {message!r})\n")
 
 
 def error(ename, evalue, traceback=None):

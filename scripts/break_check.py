@@ -255,6 +255,27 @@ BREAKAGES = [
        ("api/routes.py", "                atexit.register(self.close)\n", "")],
       ["tests/test_load.py::test_eight_clients_no_errors_no_lost_states_no_leaked_processes",
        "tests/test_processes.py::test_server_never_forks_and_sigterm_leaves_no_worker"]),
+    # tests/test_widgets.py ---------------------------------------------------------
+    B("comms-cut", "the Jupyter kernel does not relay its cells' comm messages",
+      [("kernel/jupyter/kernel.py",
+        "                    self._note_comm(event[\"msg_type\"], event[\"content\"])\n"
+        "                    relay.comm(event)\n",
+        "                    pass\n")],
+      ["tests/test_widgets.py::test_slider_both_ways",
+       "tests/test_widgets.py::test_progress_bar_updates_while_its_cell_runs",
+       "tests/test_widgets.py::test_widgets_in_jupyterlab"]),
+    B("front-end-comms-dropped", "a front end's comm messages never reach the state's process",
+      [("kernel/jupyter/kernel.py",
+        "        await asyncio.to_thread(self._deliver_comm, parent)\n",
+        "        return\n")],
+      ["tests/test_widgets.py::test_slider_both_ways",
+       "tests/test_widgets.py::test_widgets_in_jupyterlab"]),
+    B("widgets-not-kept", "a state does not keep its widgets' models",
+      [("kernel/worker/context.py",
+        "    Provider(\"ipywidgets\", widgets.states, widgets.rebuild, module=\"ipywidgets\"),\n",
+        "")],
+      ["tests/test_widgets.py::test_widget_survives_a_server_restart",
+       "tests/test_widgets.py::test_widgets_through_the_api"]),
 ]
 
 

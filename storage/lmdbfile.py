@@ -57,6 +57,7 @@ per-database page counts, tests/test_lmdbfile.py):
   transaction id; so does this module.
 """
 
+import contextlib
 import os
 import struct
 import time
@@ -190,6 +191,22 @@ class Walk:
         return self.size // self.meta.page_size
 
 
+@contextlib.contextmanager
+def _data_file(path):
+    """The environment's data file in folder `path`, opened for reading: (fd, file
+    name), or (None, file name) when there is none."""
+    file = os.path.join(path, DATA_FILE)
+    try:
+        fd = os.open(file, os.O_RDONLY | os.O_CLOEXEC)
+    except FileNotFoundError:
+        yield None, file
+        return
+    try:
+        yield fd, file
+    finally:
+        os.close(fd)
+
+
 def read_meta(path):
     """The meta page in force of the environment in folder `path`, without checking
     the rest of the file; None when the file is missing or is not an LMDB file
@@ -197,15 +214,8 @@ def read_meta(path):
 
     Raises Truncated when the file does not even hold its two meta pages.
     """
-    file = os.path.join(path, DATA_FILE)
-    try:
-        fd = os.open(file, os.O_RDONLY | os.O_CLOEXEC)
-    except FileNotFoundError:
-        return None
-    try:
-        return _metas(fd, file)[0]
-    finally:
-        os.close(fd)
+    with _data_file(path) as (fd, file):
+        return None if fd is None else _metas(fd, file)[0]
 
 
 def current_meta(path):
@@ -217,18 +227,13 @@ def current_meta(path):
     past the end of the file, Damaged when a page a tree references is not
     what the tree says (see `walk`).
     """
-    file = os.path.join(path, DATA_FILE)
-    try:
-        fd = os.open(file, os.O_RDONLY | os.O_CLOEXEC)
-    except FileNotFoundError:
-        return None
-    try:
+    with _data_file(path) as (fd, file):
+        if fd is None:
+            return None
         meta, st = _metas(fd, file)
         if meta is None or st.st_size >= meta.needed_bytes():
             return meta  # every page ever allocated lies in the file
         found = _stable_walk(fd, file, meta, st.st_size)
-    finally:
-        os.close(fd)
     _refuse(found, file)
     return found.meta
 
@@ -237,16 +242,11 @@ def walk(path):
     """Walk every tree of the environment in folder `path` (whatever the file's
     length): a Walk, or None when the file is missing or not an LMDB file of
     this format. Raises Truncated when even the meta pages are missing."""
-    file = os.path.join(path, DATA_FILE)
-    try:
-        fd = os.open(file, os.O_RDONLY | os.O_CLOEXEC)
-    except FileNotFoundError:
-        return None
-    try:
+    with _data_file(path) as (fd, file):
+        if fd is None:
+            return None
         meta, st = _metas(fd, file)
         return None if meta is None else _stable_walk(fd, file, meta, st.st_size)
-    finally:
-        os.close(fd)
 
 
 def describe(found, file):

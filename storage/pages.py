@@ -30,6 +30,8 @@ import weakref
 
 import xxhash
 
+from storage import threads
+
 _PAGE = os.sysconf("SC_PAGE_SIZE")
 _PRESENT = 1 << 63
 _EXCLUSIVE = 1 << 56
@@ -160,10 +162,11 @@ def _owner(view):
     return owner
 
 
-def known(view, chunk):
+def known(view, chunk, workers=1):
     """Per `chunk`-byte piece of `view`: (blob key, digest) if its bytes are unchanged
     since it was stored, else None. One page-map read serves the whole buffer; a
-    piece whose pages are no longer shared is checked by its digest, if it has one."""
+    piece whose pages are no longer shared is checked by its digest, if it has one,
+    on `workers` threads (a 1 GB frame restored or made in this process: 0.2 s on one)."""
     spans = _spans(view.nbytes, chunk)
     address = buffer_address(view)
     if address is None:
@@ -173,7 +176,7 @@ def known(view, chunk):
         return [None] * len(spans)
     changed = _changed_pages(address, view.nbytes)
     first_page = address // _PAGE
-    entries, covered = [], {}
+    entries, covered, unshared = [], {}, []
     for (offset, size), entry in zip(spans, found):
         if entry is not None:
             key, ref, checked = entry
@@ -184,10 +187,16 @@ def known(view, chunk):
                 del _known[(address + offset, size)]
                 entry = None
             elif not _shared(changed, (address + offset) // _PAGE - first_page,
-                             (address + offset + size - 1) // _PAGE - first_page) and (
-                    checked is None or digest(view[offset:offset + size]) != checked):
-                entry = None
+                             (address + offset + size - 1) // _PAGE - first_page):
+                if checked is None:
+                    entry = None
+                else:
+                    unshared.append((len(entries), view[offset:offset + size], checked))
         entries.append(None if entry is None else (entry[0], entry[2]))
+    same = list(threads.ordered(lambda item: digest(item[1]) == item[2], unshared, workers))
+    for (at, _, _), unchanged in zip(unshared, same):
+        if not unchanged:
+            entries[at] = None
     return entries
 
 

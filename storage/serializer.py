@@ -149,6 +149,9 @@ class _GroupPickler(cloudpickle.Pickler):
             _track_class(obj, self._class_tag)
         elif (reduced := canonical.reduce(obj)) is not None:
             return reduced
+        elif rebuildable_widget(obj):
+            # Its model is the state's (kernel/worker/widgets.py): by reference here.
+            return (_widget, (obj._model_id,))
         elif self._dtype is not None and isinstance(obj, self._dtype) and obj.isbuiltin == 1:
             # A builtin dtype by its name: loaded, it is numpy's own object again (numpy
             # pickles a copy), so arrays restored from one state share it as the live
@@ -168,6 +171,27 @@ class _GroupPickler(cloudpickle.Pickler):
             items = dict(obj) if isinstance(obj, dict) else list(obj)
             return (_container, (type(obj), items), dict(obj.__dict__))
         return super().reducer_override(obj)
+
+
+def rebuildable_widget(obj):
+    """True when `obj` is a live ipywidgets widget of an importable class: a state keeps
+    its model and makes it again after a restore (kernel/worker/widgets.py)."""
+    widget = sys.modules.get("ipywidgets.widgets.widget")
+    # `_model_id`, not `model_id`: a closed widget has no comm to ask.
+    return (widget is not None and isinstance(obj, widget.Widget)
+            and type(obj).__module__ != "__main__"
+            and widget._instances.get(getattr(obj, "_model_id", None)) is obj)
+
+
+def _widget(model_id):
+    """The widget of `model_id`, made again by the state's context as ipywidgets is
+    imported (this import)."""
+    from ipywidgets.widgets.widget import _instances
+    try:
+        return _instances[model_id]
+    except KeyError:
+        raise LookupError(f"widget {model_id} was not made again from the state's kept "
+                          f"widget models (see the restore's warnings)") from None
 
 
 def _container(cls, items):

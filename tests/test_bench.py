@@ -204,7 +204,7 @@ def test_floors_measure_each_crossing(tmp_path):
     assert list(tmp_path.glob("floor-lmdb-*/data.mdb"))
     assert 0 < report.median(floors._flush_floor(str(tmp_path), 0.0))
     assert list(tmp_path.glob("floor-flush-*/pages"))
-    assert floors._durable_write_seconds(str(tmp_path), 8 << 20) > 0
+    assert floors.durable_write_seconds(str(tmp_path), 8 << 20) > 0
     assert not (tmp_path / "floor-write").exists()
 
 

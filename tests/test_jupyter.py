@@ -334,43 +334,62 @@ def test_server_stops_when_no_kernel_is_left(data_dir):
     assert server_info(data_dir) is None
 
 
-def test_jupyterlab_in_chromium(data_dir, tmp_path):
-    """In JupyterLab in a real browser: run a cell, restart the kernel, read the variable back."""
-    pytest.importorskip("jupyterlab")
-    webdriver = pytest.importorskip("selenium.webdriver")
-    from selenium.webdriver.chrome.service import Service
-    from selenium.webdriver.common.by import By
-    from selenium.webdriver.common.keys import Keys
-    chromium, driver = shutil.which("chromium"), shutil.which("chromedriver")
-    if not (chromium and driver):
-        pytest.skip("Debian's chromium and chromium-driver are not installed (.ci/run does it)")
-    root = tmp_path / "notebooks"
-    root.mkdir()
-    nb = nbformat.v4.new_notebook()
-    nb.metadata.kernelspec = {"name": SPEC, "display_name": f"Python (snapshot: {SPEC})",
-                              "language": "python"}
-    nb.cells = [nbformat.v4.new_code_cell("")]
-    nbformat.write(nb, root / "restart.ipynb")
-    port, token = free_port(), "lab-token"
-    log = open(tmp_path / "jupyterlab.log", "wb")
-    lab = subprocess.Popen(
-        [sys.executable, "-m", "jupyterlab", "--no-browser", "--allow-root",
-         "--ServerApp.ip=127.0.0.1", f"--ServerApp.port={port}", "--ServerApp.port_retries=0",
-         f"--IdentityProvider.token={token}", f"--ServerApp.root_dir={root}"],
-        env={**os.environ, "JUPYTER_CONFIG_DIR": str(tmp_path / "config"),
-             "JUPYTER_RUNTIME_DIR": str(tmp_path / "runtime")},
-        stdout=log, stderr=log, stdin=subprocess.DEVNULL)
-    options = webdriver.ChromeOptions()
-    options.binary_location = chromium
-    for arg in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--disable-gpu",
-                "--window-size=1400,900"):
-        options.add_argument(arg)
-    browser = None
+class Lab:
+    """JupyterLab serving a temporary folder, and headless Chromium on it (the `lab`
+    fixture): notebooks of the test kernelspec opened, cells typed and run as a user
+    would."""
 
-    def kernel_pids():
+    def __init__(self, tmp_path):
+        """Start JupyterLab and the browser (skips when either is missing)."""
+        pytest.importorskip("jupyterlab")
+        webdriver = pytest.importorskip("selenium.webdriver")
+        from selenium.webdriver.chrome.service import Service
+        from selenium.webdriver.common.by import By
+        from selenium.webdriver.common.keys import Keys
+        self.By, self.Keys = By, Keys
+        chromium, driver = shutil.which("chromium"), shutil.which("chromedriver")
+        if not (chromium and driver):
+            pytest.skip("Debian's chromium and chromium-driver are not installed "
+                        "(.ci/run does it)")
+        self.tmp_path = tmp_path
+        self.root = tmp_path / "notebooks"
+        self.root.mkdir()
+        self.port, self.token = free_port(), "lab-token"
+        self.log = open(tmp_path / "jupyterlab.log", "wb")
+        self.browser = None
+        self.lab = subprocess.Popen(
+            [sys.executable, "-m", "jupyterlab", "--no-browser", "--allow-root",
+             "--ServerApp.ip=127.0.0.1", f"--ServerApp.port={self.port}",
+             "--ServerApp.port_retries=0", f"--IdentityProvider.token={self.token}",
+             f"--ServerApp.root_dir={self.root}"],
+            env={**os.environ, "JUPYTER_CONFIG_DIR": str(tmp_path / "config"),
+                 "JUPYTER_RUNTIME_DIR": str(tmp_path / "runtime")},
+            stdout=self.log, stderr=self.log, stdin=subprocess.DEVNULL)
+        options = webdriver.ChromeOptions()
+        options.binary_location = chromium
+        for arg in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage",
+                    "--disable-gpu", "--window-size=1400,900"):
+            options.add_argument(arg)
+        wait_for(lambda: self.lab.poll() is None and _answers(
+            f"http://127.0.0.1:{self.port}/api/status?token={self.token}"),
+            what="JupyterLab to start")
+        self.browser = webdriver.Chrome(service=Service(driver), options=options)
+
+    def open(self, name):
+        """Make an empty notebook `name` of the test kernelspec, open it, wait for its
+        kernel."""
+        nb = nbformat.v4.new_notebook()
+        nb.metadata.kernelspec = {"name": SPEC, "display_name": f"Python (snapshot: {SPEC})",
+                                  "language": "python"}
+        nb.cells = [nbformat.v4.new_code_cell("")]
+        nbformat.write(nb, self.root / name)
+        self.browser.get(f"http://127.0.0.1:{self.port}/lab/tree/{name}?token={self.token}")
+        wait_for(self.idle, timeout=120, what="the notebook's kernel to be idle")
+
+    def kernel_pids(self):
         """The pids of JupyterLab's running snapshot kernels."""
         pids = set()
-        for p in psutil.Process(lab.pid).children():
+        for p in psutil.Process(self.lab.pid).children():
             try:
                 if "kernel.jupyter.kernel" in " ".join(p.cmdline()):
                     pids.add(p.pid)
@@ -378,54 +397,70 @@ def test_jupyterlab_in_chromium(data_dir, tmp_path):
                 continue  # exited since it was listed: not a running kernel
         return pids
 
-    def idle():
+    def idle(self):
         """True when the status bar shows the notebook's snapshot kernel idle."""
-        return browser.execute_script(
+        return self.browser.execute_script(
             "return Array.from(document.querySelectorAll('.jp-StatusBar-TextItem'))"
             ".some(e => e.textContent === arguments[0])", f"Python (snapshot: {SPEC}) | Idle")
 
-    def run_in_last_cell(code):
+    def run_in_last_cell(self, code):
         """Type `code` into the notebook's last cell and run it (Shift+Enter)."""
-        editor = browser.find_elements(By.CSS_SELECTOR, ".jp-Notebook .jp-Cell .cm-content")[-1]
+        editor = self.browser.find_elements(self.By.CSS_SELECTOR,
+                                            ".jp-Notebook .jp-Cell .cm-content")[-1]
         editor.click()
         for i, line in enumerate(code.split("\n")):
-            editor.send_keys(*([Keys.ENTER] if i else []), line)
-        editor.send_keys(Keys.SHIFT, Keys.ENTER)
+            editor.send_keys(*([self.Keys.ENTER] if i else []), line)
+        editor.send_keys(self.Keys.SHIFT, self.Keys.ENTER)
 
-    def outputs():
+    def outputs(self):
         """The texts of the output areas on the page."""
-        return [e.text for e in browser.find_elements(By.CSS_SELECTOR, ".jp-OutputArea-output")]
+        return [e.text for e in self.browser.find_elements(self.By.CSS_SELECTOR,
+                                                           ".jp-OutputArea-output")]
 
-    try:
-        wait_for(lambda: lab.poll() is None and _answers(
-            f"http://127.0.0.1:{port}/api/status?token={token}"), what="JupyterLab to start")
-        browser = webdriver.Chrome(service=Service(driver), options=options)
-        browser.get(f"http://127.0.0.1:{port}/lab/tree/restart.ipynb?token={token}")
-        wait_for(idle, timeout=120, what="the notebook's kernel to be idle")
-        run_in_last_cell("answer = 41\nprint('before restart:', answer)")
-        wait_for(lambda: "before restart: 41" in outputs(), what="the first cell's output")
-        before = kernel_pids()
-        browser.find_element(By.CSS_SELECTOR,
-                             'jp-button[data-command="notebook:restart-kernel"]').click()
-        wait_for(lambda: browser.find_elements(By.CSS_SELECTOR, ".jp-Dialog .jp-mod-accept"),
-                 what="the restart dialog")
-        browser.find_element(By.CSS_SELECTOR, ".jp-Dialog .jp-mod-accept").click()
-        wait_for(lambda: kernel_pids() and not kernel_pids() & before,
-                 what="a new kernel process")
-        wait_for(idle, timeout=120, what="the restarted kernel to be idle")
-        run_in_last_cell("print('after restart:', answer + 1)")
-        wait_for(lambda: "after restart: 42" in outputs(), what="the second cell's output")
-    finally:
-        if browser is not None:
-            browser.save_screenshot(str(tmp_path / "jupyterlab.png"))
-            browser.quit()
-        lab.terminate()
+    def close(self):
+        """Keep a screenshot and the page; stop the browser and JupyterLab."""
+        if self.browser is not None:
+            self.browser.save_screenshot(str(self.tmp_path / "jupyterlab.png"))
+            (self.tmp_path / "jupyterlab.html").write_text(self.browser.page_source)
+            self.browser.quit()
+        self.lab.terminate()
         try:
-            lab.wait(30)
+            self.lab.wait(30)
         except subprocess.TimeoutExpired:
-            lab.kill()  # seen once: JupyterLab did not stop on SIGTERM
-            lab.wait()
-        log.close()
+            self.lab.kill()  # seen once: JupyterLab did not stop on SIGTERM
+            self.lab.wait()
+        self.log.close()
+
+
+@pytest.fixture
+def lab(data_dir, tmp_path):
+    """JupyterLab and headless Chromium (a Lab), stopped after the test."""
+    started = None
+    try:
+        started = Lab(tmp_path)
+        yield started
+    finally:
+        if started is not None:
+            started.close()
+
+
+def test_jupyterlab_in_chromium(lab):
+    """In JupyterLab in a real browser: run a cell, restart the kernel, read the variable back."""
+    By = lab.By
+    lab.open("restart.ipynb")
+    lab.run_in_last_cell("answer = 41\nprint('before restart:', answer)")
+    wait_for(lambda: "before restart: 41" in lab.outputs(), what="the first cell's output")
+    before = lab.kernel_pids()
+    lab.browser.find_element(By.CSS_SELECTOR,
+                             'jp-button[data-command="notebook:restart-kernel"]').click()
+    wait_for(lambda: lab.browser.find_elements(By.CSS_SELECTOR, ".jp-Dialog .jp-mod-accept"),
+             what="the restart dialog")
+    lab.browser.find_element(By.CSS_SELECTOR, ".jp-Dialog .jp-mod-accept").click()
+    wait_for(lambda: lab.kernel_pids() and not lab.kernel_pids() & before,
+             what="a new kernel process")
+    wait_for(lab.idle, timeout=120, what="the restarted kernel to be idle")
+    lab.run_in_last_cell("print('after restart:', answer + 1)")
+    wait_for(lambda: "after restart: 42" in lab.outputs(), what="the second cell's output")
 
 
 def _answers(url):

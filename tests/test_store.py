@@ -316,8 +316,91 @@ def test_a_chunk_stored_in_this_process_is_vouched_for_by_its_digest():
     assert [entry[0] for entry in pages.known(view, 2 ** 20)] == keys
     array[-1] = 1.0
     assert [entry and entry[0] for entry in pages.known(view, 2 ** 20)] == [keys[0], None]
-    pages.remember(view, keys, 2 ** 20)  # no digests (a restored buffer): pages only
+    pages.remember(view, keys, 2 ** 20)  # no digests: pages only
     assert pages.known(view, 2 ** 20) == [None, None]
+
+
+def test_a_restored_buffer_is_vouched_for_by_its_digests(tmp_path):
+    """A restore remembers each chunk's XXH3-128 with its key: a cell's child that
+    restored a large value itself (its pages are its own) saves it again, unchanged,
+    by those digests, and a chunk written since is hashed again."""
+    import numpy as np
+
+    from storage import pages, snapshot
+    settings = config.load()
+    store = Store(str(tmp_path / "s"), settings)
+    value = np.random.default_rng(3).random(3 * 2 ** 17 + 1024)  # 3 MiB and 8 KiB: 4 chunks
+    manifest = snapshot.new_manifest("s")
+    snapshot.commit(store, manifest, snapshot.save_groups(store, manifest, {"v": value},
+                                                          ["v"], settings))
+    pages.keep_only(set())  # as in a new process: nothing of the save is known
+    namespace = {}
+    snapshot.load_group(store, manifest["groups"][0], namespace, "s")
+    restored = namespace["v"]
+    assert np.array_equal(restored, value) and restored.base is not None
+    keys = store.chunk_list(manifest["groups"][0]["buffers"][0])
+    view = memoryview(restored).cast("B")
+    assert [entry and entry[0] for entry in pages.known(view, 2 ** 20)] == keys
+    restored[2 ** 17] = -1.0  # the first value of the second chunk
+    assert [entry and entry[0] for entry in pages.known(view, 2 ** 20)] == \
+        [keys[0], None, keys[2], keys[3]]
+    store.close()
+
+
+# A frame of several chunks (floats, Arrow strings) and a view into a numpy array, made
+# under the names suffixed with {n}.
+SEVERAL_CHUNKS = (
+    "r{n} = np.random.default_rng(7)\n"
+    "df{n} = pd.DataFrame(r{n}.random((200_000, 3)), columns=list('abc'))\n"
+    "df{n}['s'] = pd.array(pa.array([f'v{{i}}' for i in range(200_000)], pa.large_string()), "
+    "dtype='str')\n"
+    "arr{n} = r{n}.integers(0, 2**62, 400_000)\npart{n} = arr{n}[150_000:250_000]\n")
+
+
+def test_a_frame_read_after_a_restart_is_restored_whole_and_saved_again_for_nothing(
+        make_server, tmp_path):
+    """After a restart, a cell reading every column of a frame of several chunks sees the
+    values as they were, a view still a view of its array; the state it makes holds the
+    same blobs (nothing of the frame is written again)."""
+    data = tmp_path / "store"
+    srv = make_server(data)
+    srv.execute("import numpy as np\nimport pandas as pd\nimport pyarrow as pa\n"
+                + SEVERAL_CHUNKS.format(n=""), new="made")
+    srv.stop()
+    again = make_server(data)
+    before = store_bytes(data)
+    answer = again.execute(
+        SEVERAL_CHUNKS.format(n="2") + "(df.equals(df2), bool((arr == arr2).all()), "
+        "part.base is arr, str(df['s'].dtype))", state="made", new="read")
+    assert answer["output"][-1]["data"]["text/plain"] == "(True, True, True, 'str')"
+    again.execute("part[0] = -5\nassert arr[150_000] == -5", state="read", new="written")
+    assert again.value("read", "int(arr[150_000]) != -5, df['s'].iloc[-1]") \
+        == "(True, 'v199999')"
+    added = store_bytes(data) - before
+    assert added < 4 * 2 ** 20, added  # the new states' records, not the frame again
+
+
+def test_holders_wait_while_a_child_loads_and_not_once_it_is_killed():
+    """A cell's child that loads values holds the zygote's ChildLoads lock (holders do not
+    load meanwhile); a child killed while loading lets them go on."""
+    from kernel.worker.holder import ChildLoads
+    loads = ChildLoads()
+    assert not loads.now()
+    ready, tell = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        with loads.held():
+            os.write(tell, b"l")
+            signal.pause()  # loading, until killed
+        os._exit(0)
+    try:
+        assert os.read(ready, 1) == b"l"
+        assert loads.now()
+    finally:
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+    assert not loads.now()
+    os.close(loads.fd)
 
 
 def test_a_chunk_made_again_with_the_same_bytes_takes_the_key_its_digest_is_known_by():

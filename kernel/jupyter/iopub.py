@@ -8,6 +8,7 @@ saved notebook (nbclient, papermill) holds one stream output where the
 cell printed one line, not a fragment per write.
 """
 
+import base64
 import threading
 
 
@@ -15,7 +16,8 @@ class OutputRelay:
     """Turns the NDJSON events of one cell into iopub messages."""
 
     def __init__(self, send, execution_count, flush_s):
-        """`send(msg_type, content)` publishes one message for the running cell."""
+        """`send(msg_type, content[, metadata, buffers])` publishes one message for the
+        running cell."""
         self.send = send
         self.execution_count = execution_count
         self.flush_s = flush_s
@@ -41,6 +43,13 @@ class OutputRelay:
             self.error_shown = True
             self.send("error", {"ename": out["ename"], "evalue": out["evalue"],
                                 "traceback": out["traceback"]})
+
+    def comm(self, event):
+        """Publish a comm message of the cell's process (a `comm` event: its msg_type,
+        content, metadata and base64 buffers)."""
+        self.flush()
+        self.send(event["msg_type"], event["content"], event.get("metadata") or {},
+                  [base64.b64decode(b) for b in event.get("buffers") or ()])
 
     def clear_output(self, wait):
         """Publish a clear_output (a `clear_output` event)."""

@@ -10,14 +10,16 @@ state (introspect.py); the kernel's own magics run here (magics.py).
 """
 
 import asyncio
+import base64
 import os
 import platform
+import threading
 import uuid
 
 from ipykernel.kernelbase import Kernel
 from traitlets import Unicode
 
-from kernel import __version__
+from kernel import __version__, protocol
 from kernel import config as config_mod
 from kernel.jupyter import introspect, iopub, magics
 from kernel.jupyter.backend import backend
@@ -54,6 +56,11 @@ class SnapshotKernel(Kernel):
         self.client = None
         self.running = None  # the exec_id of the cell on the server, for interrupts
         self.startup_error = None
+        # One change of the session's head at a time (a cell, a front end's comm message).
+        self.advancing = threading.Lock()
+        self.comms = {}  # comm id -> target name, of the comms open with the front end
+        for msg_type in protocol.COMM_MESSAGES:
+            self.shell_handlers[msg_type] = self.comm_message
         try:
             self._connect()
         except ServerError as exc:
@@ -163,22 +170,39 @@ class SnapshotKernel(Kernel):
 
     def _run_cell(self, code):
         """Run a cell from the head into a new state; move the head on success."""
-        with self.sessions.change(self.session_name) as session:
-            n = max(self.execution_count, session.next)
-            session.next = n + 1
-        self.execution_count = n
-        head, new_name = session.head, session.state_name(n)
-        exec_id = f"jupyter-{uuid.uuid4().hex}"
-        self.running = exec_id
-        parent = self.get_parent("shell")
+        with self.advancing:
+            with self.sessions.change(self.session_name) as session:
+                n = max(self.execution_count, session.next)
+                session.next = n + 1
+            self.execution_count = n
+            answer, relay = self._advance(code, session.head, session.state_name(n), n, code,
+                                          self.get_parent("shell"))
+        if answer.get("state_name"):
+            return self._ok()
+        error = answer["error"]
+        if error["ename"] == "StateNotFound" and error["evalue"] == session.head:
+            return self._fail("StateNotFound", f"the head of session {self.session_name!r}, "
+                              f"state {session.head!r}, is no longer on the server: %checkout "
+                              f"another cell or state, or %session NAME for a new session",
+                              False)
+        return self._fail(error["ename"], error["evalue"], False, error["traceback"],
+                          relay.error_shown)
 
-        def send(msg_type, content):
-            """Publish one iopub message of this cell (also from the flush timer's thread)."""
+    def _advance(self, code, head, new_name, n, line, parent):
+        """Run `code` from `head` into `new_name`, its outputs and comm messages relayed
+        to the front end as replies to `parent`; on success the session's head moves
+        there (recorded as cell `n`, `line` its code). (the answer, the relay). The
+        caller holds `advancing` from its reading of the head on."""
+        exec_id = f"jupyter-{uuid.uuid4().hex}"
+
+        def send(msg_type, content, metadata=None, buffers=None):
+            """Publish one iopub message of this run (also from the flush timer's thread)."""
             self.session.send(self.iopub_socket, msg_type, content, parent,
-                              ident=self._topic(msg_type))
+                              ident=self._topic(msg_type), metadata=metadata, buffers=buffers)
 
         relay = iopub.OutputRelay(send, n, self.settings["jupyter.stream_flush_s"])
         answer = None
+        self.running = exec_id
         try:
             events = self._server_call(
                 # Jupyter starts a kernel in its notebook's folder: the cells run there.
@@ -188,6 +212,9 @@ class SnapshotKernel(Kernel):
                     relay.output(event["output"])
                 elif event["type"] == "clear_output":
                     relay.clear_output(event["wait"])
+                elif event["type"] == "comm":
+                    self._note_comm(event["msg_type"], event["content"])
+                    relay.comm(event)
                 elif event["type"] == "answer":
                     answer = event["answer"]
         finally:
@@ -198,15 +225,53 @@ class SnapshotKernel(Kernel):
         if answer.get("state_name"):
             with self.sessions.change(self.session_name) as session:
                 session.head = answer["state_name"]
-                self.sessions.append(session, n, answer["state_name"], head, code)
-            return self._ok()
+                self.sessions.append(session, n, answer["state_name"], head, line)
+        return answer, relay
+
+    # Comms ----------------------------------------------------------------------
+
+    def _note_comm(self, msg_type, content):
+        """Keep the open comms' targets (comm_info_request) as comms open and close."""
+        if msg_type == "comm_open":
+            self.comms[content["comm_id"]] = content.get("target_name", "")
+        elif msg_type == "comm_close":
+            self.comms.pop(content.get("comm_id"), None)
+
+    async def comm_message(self, stream, ident, parent):
+        """comm_open, comm_msg or comm_close from the front end (a slider moved): handled
+        in the process of the session's head, which makes a new state, the head's next."""
+        await asyncio.to_thread(self._deliver_comm, parent)
+
+    def _deliver_comm(self, parent):
+        """comm_message's work (a thread: the HTTP exchange blocks)."""
+        msg_type, content = parent["header"]["msg_type"], parent["content"]
+        try:
+            code = protocol.comm_cell(msg_type, content, parent.get("metadata"),
+                                      [base64.b64encode(bytes(b)).decode()
+                                       for b in parent.get("buffers") or ()])
+            self._note_comm(msg_type, content)
+            with self.advancing:
+                session, n = self.sessions.load(self.session_name), self.execution_count
+                name = session.state_name(f"{n}.{msg_type}-{uuid.uuid4().hex[:12]}")
+                answer, _ = self._advance(code, session.head, name, n,
+                                          f"# {msg_type} from the front end", parent)
+        except (ServerError, TypeError, ValueError) as exc:  # (not JSON: TypeError)
+            self.log.error("The front end's %s was not handled: %s", msg_type, exc)
+            return
         error = answer["error"]
-        if error["ename"] == "StateNotFound" and error["evalue"] == head:
-            return self._fail("StateNotFound", f"the head of session {self.session_name!r}, "
-                              f"state {head!r}, is no longer on the server: %checkout another "
-                              f"cell or state, or %session NAME for a new session", False)
-        return self._fail(error["ename"], error["evalue"], False, error["traceback"],
-                          relay.error_shown)
+        if error and error["ename"] == "CommNotHandled":
+            self.log.debug("The front end's %s: %s", msg_type, error["evalue"])
+        elif error:
+            self.log.error("The front end's %s failed in the kernel: %s: %s", msg_type,
+                           error["ename"], error["evalue"])
+
+    async def comm_info_request(self, stream, ident, parent):
+        """The comms open between the cells' processes and the front end."""
+        target = parent["content"].get("target_name")
+        comms = {comm_id: {"target_name": name} for comm_id, name in self.comms.items()
+                 if target is None or name == target}
+        self.session.send(stream, "comm_info_reply", {"status": "ok", "comms": comms},
+                          parent, ident)
 
     async def interrupt_request(self, stream, ident, parent):
         """Stop the running cell through /interrupt (the kernel itself gets no signal)."""

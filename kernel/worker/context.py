@@ -42,6 +42,7 @@ import types
 import warnings
 
 from kernel.files import sha256_file
+from kernel.worker import widgets
 from kernel.worker.capture import libraries, shell, streams
 from storage.store import StoreCorrupt
 
@@ -614,6 +615,8 @@ PROVIDERS = [
     Provider("pandas.options", _pandas_get, _pandas_set, module="pandas"),
     Provider("matplotlib.rcParams", _rc_get, _rc_set, module="matplotlib"),
     Provider("ipython", _ipython_get, _ipython_set),
+    # Before the variables that hold them are loaded (as ipywidgets is imported).
+    Provider("ipywidgets", widgets.states, widgets.rebuild, module="ipywidgets"),
     # After the magics said again: a cell's "error" filter could fail them.
     Provider("warnings", _warnings_get, _warnings_set),
     Provider("random", lambda: _touched("random", random.getstate()), random.setstate),

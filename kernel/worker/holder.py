@@ -9,10 +9,12 @@ state never changes.
 """
 
 import contextlib
+import fcntl
 import gc
 import os
 import select
 import signal
+import time
 import traceback
 
 from kernel import protocol, trace
@@ -24,13 +26,55 @@ from storage.store import StoreCorrupt, encode_manifest
 
 # A spare child warms up only after this long without a request (see StateHolder.warm).
 WARM_AFTER_S = 0.05
+# How often a holder that waits for children's loads to end looks again (see ChildLoads).
+CHILD_LOAD_POLL_S = 0.05
+
+
+class ChildLoads:
+    """Tells holders whether a cell's child is loading values from the store.
+
+    A child forked before its holder had loaded the state loads what its
+    cell needs itself (a cell after a restart). Holders, meanwhile, load
+    their states in the background: on a 1 GB frame after a restart, the
+    child and its holder restored it at once, on the same cores and memory
+    (2 here), and the cell waited for both; from a second state sharing the
+    frame's blobs, the first state's holder did the same to that state's
+    child (issue 27). So holders load in the background only while no child
+    loads. One is made in the zygote, before any fork, and shared by all its
+    holders and their children: a child holds a POSIX lock on its file while
+    it loads. Such a lock goes with its process, so a child killed while
+    loading never holds a holder back.
+    """
+
+    def __init__(self):
+        """A new file for children to lock."""
+        self.fd = os.memfd_create("child-loads", os.MFD_CLOEXEC)
+
+    @contextlib.contextmanager
+    def held(self):
+        """Hold the lock while loading (in a child)."""
+        fcntl.lockf(self.fd, fcntl.LOCK_SH)  # shared: several children may load at once
+        try:
+            yield
+        finally:
+            fcntl.lockf(self.fd, fcntl.LOCK_UN)
+
+    def now(self):
+        """True while a child holds the lock (asked by a holder)."""
+        try:
+            fcntl.lockf(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            return True
+        fcntl.lockf(self.fd, fcntl.LOCK_UN)
+        return False
 
 
 class StateHolder(WorkerProcess):
     """One state's namespace, loaded lazily; in a forked child, the state a cell runs on."""
 
-    def __init__(self, sock_path, settings, namespace, manifest):
-        """Hold `manifest`'s state, its groups not yet loaded."""
+    def __init__(self, sock_path, settings, namespace, manifest, child_loads):
+        """Hold `manifest`'s state, its groups not yet loaded; `child_loads`: the zygote's
+        ChildLoads."""
         super().__init__(sock_path, settings)
         self.namespace = namespace
         self.manifest = manifest
@@ -41,6 +85,8 @@ class StateHolder(WorkerProcess):
         self.unloaded_modules = set(manifest["modules"])
         self.load_in_background = True
         self.forks_deferred = 0  # replacement spares to fork once the state is loaded
+        self.child_loads = child_loads
+        self.holder_pid = None  # the process serving the state (see serve)
         # The process context as of this state ({provider: (blob key, value)}, see
         # kernel/worker/context.py), and what a restore could not apply as it was.
         self.context = {}
@@ -59,6 +105,14 @@ class StateHolder(WorkerProcess):
 
     def load(self, names=None):
         """Load the groups holding `names` (all when None), modules, volatiles."""
+        if os.getpid() == self.holder_pid:
+            self._load(names)
+        else:
+            with self.child_loads.held():  # in a cell's child: holders wait meanwhile
+                self._load(names)
+
+    def _load(self, names):
+        """`load`, in a child under the children's lock."""
         self.load_modules(names)
         keep = []
         for group in self.unloaded_groups:
@@ -72,7 +126,7 @@ class StateHolder(WorkerProcess):
         self.unloaded_groups = keep
         if self.unloaded_volatile and (names is None or names & self.unloaded_volatile):
             # A replay may read anything: load the whole state first.
-            self.load(set(self.state_names()) - self.unloaded_volatile)
+            self._load(set(self.state_names()) - self.unloaded_volatile)
             replay.volatile(self.manifest, self.namespace, self.settings,
                             self.unloaded_volatile)
             self.unloaded_volatile = set()
@@ -92,7 +146,7 @@ class StateHolder(WorkerProcess):
                 self.load_modules()
             elif self.unloaded_groups:
                 snapshot.load_group(self.store(), self.unloaded_groups[0], self.namespace,
-                                    self.manifest["name"])
+                                    self.manifest["name"], self.yield_to_children)
                 self.unloaded_groups.pop(0)
             elif self.unloaded_volatile:
                 self.load(set(self.unloaded_volatile))
@@ -104,6 +158,12 @@ class StateHolder(WorkerProcess):
             self.load_in_background = False
             self.channel.send(protocol.Log(traceback.format_exc()))
             self.fork_deferred()
+
+    def yield_to_children(self):
+        """Wait while a cell's child loads (between the chunks of a background load, which
+        may have begun before that child did)."""
+        while self.child_loads.now():
+            time.sleep(CHILD_LOAD_POLL_S)
 
     def fork_deferred(self):
         """Fork the replacement spares asked for while the state was loading."""
@@ -140,12 +200,17 @@ class StateHolder(WorkerProcess):
         """Idle loop: fork children on request, load unloaded groups meanwhile.
 
         `spares` children are forked first, so that a cell finds one ready.
+        While a cell's child loads values, none are loaded here (ChildLoads).
         """
+        self.holder_pid = os.getpid()
         for _ in range(spares):
             self.fork_child()
         while True:
             busy = self.load_in_background and self.unloaded_names()
-            ready, _, _ = select.select([self.channel, wake], [], [], 0 if busy else None)
+            timeout = None
+            if busy:
+                timeout = CHILD_LOAD_POLL_S if self.child_loads.now() else 0
+            ready, _, _ = select.select([self.channel, wake], [], [], timeout)
             if wake in ready:
                 self.reap(wake)
             if self.channel in ready:
@@ -159,7 +224,7 @@ class StateHolder(WorkerProcess):
                     # A cell waits for this one; it stands for a deferred one too.
                     self.forks_deferred = max(self.forks_deferred - 1, 0)
                     self.fork_child()
-            elif not ready:
+            elif not ready and timeout == 0:
                 self.load_step()
 
     def leave(self):

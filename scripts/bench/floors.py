@@ -211,7 +211,7 @@ def _fork_floor(pause):
     return json.loads(done.stdout)[5:]
 
 
-def _durable_write_seconds(folder, size):
+def durable_write_seconds(folder, size):
     """Seconds to write `size` incompressible bytes to a new file in `folder` and sync it."""
     block = os.urandom(1 << 20)
     path = os.path.join(folder, "floor-write")
@@ -305,7 +305,7 @@ def wl_floors(peers, p, table, details, keep):
               "changed an rcParam (CPU time; < 1 ms)",
               {"ours": max(capture["random"], capture["rcParams"])})
     size = 2 ** 30 if p["mode"] == "full" else 2 ** 28
-    seconds = _durable_write_seconds(folder, size)
+    seconds = durable_write_seconds(folder, size)
     label = "1 GiB" if size == 2 ** 30 else "256 MiB"
     per_gib = fmt_ms(seconds * 2 ** 30 / size)
     table.add("fl", f"write {label} to disk and fdatasync ({per_gib} a GiB; the 1 GB "

@@ -193,8 +193,16 @@ six float columns and an Arrow-backed string column. For each it gives
 time its `make()` took, measured in the cell; the same `make()` in a plain
 interpreter is shown beside it), the store's growth, a restart's
 first answer and full load (server start to the holder's `loaded` trace
-stamp: every variable of the state in its memory) and the workers' PSS;
-run alone (`--only s`) it writes the section "Results: scaling".
+stamp: every variable of the state in its memory) and the workers' PSS.
+For 1 GB (`--quick`: 100 MB) it also gives issue 27's rows, each beside
+its floor measured in the same run: the first save against writing and
+`fdatasync`ing as many bytes beside the store; the restore of the state's
+buffers in a new interpreter against copying the same bytes into new
+memory with their XXH3-64 (turn about, median of 3); and, after another
+restart, the first cell that reads every column (minus its own time, as
+the cell measured it), then the same cell from a second state sharing the
+frame's blobs. Run alone (`--only s`) it writes the section "Results:
+scaling".
 
 The floors (fl, `floors.py`) run right after workload a, with no server of
 ours in them: what a trivial cell must cross at the least here (an HTTP

@@ -21,6 +21,19 @@ imported numpy and pandas:
   memory, which the holder stamps (`loaded`, with the state's name) in the
   trace file (kernel/trace.py) this server runs with.
 
+For the largest state of the run but 4 GB (1 GB; `--quick`: 100 MB), issue
+27's targets, each beside its floor measured in the same run:
+
+- first save against writing the frame's bytes to a new file beside the
+  store and `fdatasync` (right after the save);
+- restore in one process: a new interpreter that opens the store (the
+  server still running) loads every group of the state, as a holder does,
+  against copying the same bytes into new memory (as the restore
+  allocates it) and taking their XXH3-64; turn about, median of 3 each;
+- after another restart, the first cell that reads every column: its round
+  trip minus its own time (measured in the cell); then the same cell from
+  a second state made from the first (`y = 1`: the same blobs, not live).
+
 Only this server takes part. Run alone (`--only s`) it writes the section
 "Results: scaling" of BENCHMARKS.md.
 """
@@ -32,8 +45,10 @@ import sys
 import tempfile
 import time
 
+from bench.floors import durable_write_seconds
 from bench.peers import Ours, added_bytes
 from bench.report import fmt_ms, fmt_size, median
+from harness import ROOT
 from kernel import trace
 
 MB = 10 ** 6
@@ -71,6 +86,72 @@ def plain_make_seconds(size):
     return float(done.stdout.split()[-1])
 
 
+# A cell that reads every column of `df` (issue 27); its last expression is its own time.
+READ_ALL = ("import time as _time\n_t0 = _time.perf_counter()\n"
+            "_total = float(df[list('abcdef')].sum().sum()) + int(df['s'].str.len().sum())\n"
+            "_time.perf_counter() - _t0")
+RESTORE_ROUNDS = 3
+
+# In a new interpreter: restore every group of a state as a holder does (the store opened
+# beside the running server), then, turn about, the floor: the same bytes copied into
+# new memory as a restore allocates it, with their XXH3-64. Prints both, in seconds.
+_RESTORE = r"""
+import json, sys, time
+import numpy, pandas, pyarrow, xxhash
+from kernel import config
+from storage import pages, serializer, snapshot
+from storage.store import Store
+path, name, rounds = sys.argv[1], sys.argv[2], int(sys.argv[3])
+settings = config.load()
+store = Store(path, settings)
+manifest = store.manifest(name)
+
+def floor(views):
+    start = time.perf_counter()
+    for view in views:
+        copy = memoryview(pages.allocate(view.nbytes))
+        for at in range(0, view.nbytes, 2 ** 20):
+            copy[at:at + 2 ** 20] = view[at:at + 2 ** 20]
+            xxhash.xxh3_64_digest(copy[at:at + 2 ** 20])
+        del copy
+    return time.perf_counter() - start
+
+times, floors = [], []
+for _ in range(rounds):
+    start = time.perf_counter()
+    namespace = {}
+    for group in manifest["groups"]:
+        snapshot.load_group(store, group, namespace, name)
+    times.append(time.perf_counter() - start)
+    # The state's large buffers, as a save finds them: the restored bytes.
+    views = [v.cast("B") for v in serializer.dumps(
+        list(namespace.values()), namespace, "", settings["store.buffer_blob_min_bytes"]).buffers]
+    size = sum(v.nbytes for v in views)
+    floors.append(floor(views))
+    del namespace, views
+    pages.keep_only(set())
+print(json.dumps({"restore": times, "floor": floors, "bytes": size}))
+"""
+
+
+def restore_in_process(data_dir, name):
+    """{restore, floor: seconds (medians), bytes}: the restore of state `name` in a new
+    interpreter against copying and checksumming the same bytes (see _RESTORE)."""
+    done = subprocess.run([sys.executable, "-c", _RESTORE, data_dir, name,
+                           str(RESTORE_ROUNDS)], capture_output=True, text=True, check=True,
+                          cwd=ROOT)
+    found = json.loads(done.stdout)
+    return {"restore": median(found["restore"]), "floor": median(found["floor"]),
+            "bytes": found["bytes"]}
+
+
+def timed_cell(peer, code, state):
+    """(round trip, the cell's own time as its last expression gave it) of one cell."""
+    elapsed, answer = peer.must(code, state)
+    peer.delete(answer["state_name"])
+    return elapsed, float(answer["output"][-1]["data"]["text/plain"])
+
+
 def wait_loaded(path, state, since, timeout=600):
     """CLOCK_MONOTONIC time of the first `loaded` stamp of `state`'s holder after `since`."""
     deadline = time.monotonic() + timeout
@@ -89,8 +170,9 @@ def timed_make(size):
             f"_time.perf_counter() - _t0")
 
 
-def measure(peer, path, size, runs):
-    """One row: every measure of a state of `size` bytes."""
+def measure(peer, path, size, runs, floors=False):
+    """One row: every measure of a state of `size` bytes; with `floors`, issue 27's
+    measures and their floors too."""
     row = {"size": size, "plain make": plain_make_seconds(size)}
     peer.reset()
     base = peer.must(SETUP, new="s-setup")[1]["state_name"]
@@ -100,6 +182,8 @@ def measure(peer, path, size, runs):
     row["make cell"], answer = peer.must(timed_make(size), base, new=name)
     row["make in cell"] = float(answer["output"][-1]["data"]["text/plain"])
     row["first save"] = row["make cell"] - row["make in cell"]
+    if floors:
+        row["save floor"] = durable_write_seconds(os.path.dirname(peer.data_dir), size)
     row["store"] = added_bytes(before, peer.store_usage())
     peer.delete(peer.must("x += 1", name)[1]["state_name"])  # warm-up, not counted
     times = []
@@ -117,7 +201,22 @@ def measure(peer, path, size, runs):
     peer.delete(answer["state_name"])
     row["restart loaded"] = wait_loaded(path, name, started) - started
     row["pss"] = peer.memory()[1]
+    if floors:
+        measure_restores(peer, name, row)
     return row
+
+
+def measure_restores(peer, name, row):
+    """Issue 27's restores of state `name` (see the module doc) into `row`."""
+    second = peer.must("y = 1", name, new=f"{name}-second")[1]["state_name"]
+    found = restore_in_process(peer.data_dir, name)
+    row["restore"], row["restore floor"] = found["restore"], found["floor"]
+    row["restored bytes"] = found["bytes"]
+    peer.stop()
+    peer.start()
+    for key, state in (("read", name), ("read second", second)):
+        elapsed, own = timed_cell(peer, READ_ALL, state)
+        row[key], row[key + " own"] = elapsed - own, own
 
 
 TARGETS = {1000 * MB: {"first save": 2.0, "restart first": 1.0, "restart loaded": 3.0}}
@@ -153,9 +252,10 @@ def wl_scaling(peers, p, table, details, keep):
     peer = Ours(tmp, config=f"[server]\ntrace_file = {json.dumps(path)}\n")
     peer.start()
     rows = []
+    issue27 = max(size for size in SIZES[mode] if size <= 1000 * MB)
     try:
         for size in SIZES[mode]:
-            row = measure(peer, path, size, TRIVIAL_RUNS[mode])
+            row = measure(peer, path, size, TRIVIAL_RUNS[mode], floors=size == issue27)
             rows.append(row)
             print("    " + ", ".join(f"{k} {cell(k, v)}" for k, v in row.items()), flush=True)
     finally:
@@ -166,4 +266,26 @@ def wl_scaling(peers, p, table, details, keep):
             title = next(t for t, k in COLUMNS if k == key)
             table.add("s", f"{title}, {label} frame with a string column", {"ours": row[key]},
                       f"≤ {fmt_ms(limit)}", row[key] <= limit)
+    for row in rows:
+        if "save floor" in row:
+            issue_27_rows(table, row)
     details.append(("s: costs by state size (this server)", matrix(rows)))
+
+
+def issue_27_rows(table, row):
+    """Issue 27's targets, each beside its floor measured in the same run."""
+    label = fmt_size(row["size"])
+    floor = row["save floor"]
+    table.add("s", f"first save, {label} frame with a string column (floor: {label} written "
+              f"and fdatasync'd beside the store, {fmt_ms(floor)})", {"ours": row["first save"]},
+              f"≤ 1.2× floor ({fmt_ms(1.2 * floor)})", row["first save"] <= 1.2 * floor)
+    floor = row["restore floor"]
+    table.add("s", f"restore of its buffers in one process, median of {RESTORE_ROUNDS} (floor: "
+              f"the same {row['restored bytes'] / 1e6:.0f} MB copied into new memory with "
+              f"their XXH3-64, {fmt_ms(floor)})", {"ours": row["restore"]},
+              f"≤ 2× floor ({fmt_ms(2 * floor)})", row["restore"] <= 2 * floor)
+    for key, source in (("read", "after a restart"),
+                        ("read second", "then from a second state sharing its blobs")):
+        table.add("s", f"first cell reading every column {source}: answered − the cell's "
+                  f"own time ({fmt_ms(row[key + ' own'])})", {"ours": row[key]}, "≤ 1 s",
+                  row[key] <= 1.0)

@@ -44,6 +44,13 @@ def publish(data, metadata=None, transient=None, update=False):
         _running.display(data, metadata, transient=transient, update=update)
 
 
+def send_comm(item):
+    """Stream a comm message ({"type": "comm", ...}) in the running cell's order; it goes
+    nowhere outside a streamed cell."""
+    if _running is not None:
+        _running.comm(item)
+
+
 def clear_output(wait=False):
     """Clear the running cell's outputs so far (at the next output when wait=True)."""
     if _running is not None:
@@ -241,6 +248,14 @@ class OutputCollector:
             else:
                 self._clear_now()
             self._emit({"type": "clear_output", "wait": bool(wait)})
+
+    def comm(self, item):
+        """A comm message (kernel/worker/capture/comms.py): to the sink only, it is no
+        output of the cell."""
+        with self.lock:
+            if self.drain is not None:
+                self.drain()
+            self._emit(item)
 
     def _apply_pending_clear(self):
         """Carry out a clear_output(wait=True) now that new output arrives."""

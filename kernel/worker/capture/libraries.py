@@ -14,7 +14,7 @@ import importlib.util
 import os
 import sys
 
-from kernel.worker.capture import collector, figures, shell
+from kernel.worker.capture import collector, comms, figures, shell
 
 _pandas_done = set()
 
@@ -86,6 +86,10 @@ _ON_IMPORT = {
     "pandas": [lambda: configure_pandas(collector.running_settings())],
     "matplotlib": [lambda: figures.prepare_matplotlib(collector.running_settings())],
     "IPython": [lambda: shell.get_shell()],
+    # Comms through the running cell (ipykernel's replace them as it is imported).
+    "comm": [comms.install],
+    "ipykernel.ipkernel": [comms.install],
+    "tqdm.autonotebook": [comms.notebook_tqdm],
 }
 
 
@@ -98,6 +102,12 @@ def on_import(name, then):
     if _watching and name not in _ON_IMPORT and name not in sys.modules:
         sys.meta_path.insert(0, _AfterImport(name))
     _ON_IMPORT.setdefault(name, []).append(then)
+
+
+def awaited(name):
+    """True when something waits for module `name`, not imported yet (a restored
+    state's settings for it)."""
+    return name not in sys.modules and bool(_ON_IMPORT.get(name))
 
 
 def watch_imports():

@@ -1,0 +1,227 @@
+"""Widgets and progress bars through the Jupyter kernel (kernel/worker/capture/comms.py,
+kernel/worker/widgets.py): comm messages both ways, live progress, widgets kept across
+a server restart. Real kernels of the test kernelspec (tests/test_jupyter.py's set-up),
+a real server, and JupyterLab in headless Chromium."""
+
+import jsonschema
+import pytest
+
+from api.openapi import document
+from conftest import wait_for
+from test_jupyter import data_dir, kernel, lab, stop_server  # noqa: F401 (fixtures)
+
+pytest.importorskip("ipywidgets")
+
+SLIDER = "import ipywidgets\nslider = ipywidgets.IntSlider(value=3, max=10)\nslider\n"
+
+
+def run(k, code, timeout=120):
+    """Execute `code`: (the execute_reply content, every iopub message of the cell but
+    its status)."""
+    seen = []
+    reply = k.client.execute_interactive(
+        code, timeout=timeout,
+        output_hook=lambda msg: seen.append(msg) if msg["msg_type"] != "status" else None)
+    return reply["content"], seen
+
+
+def send_comm(k, msg_type, content):
+    """Send a comm message as a front end does; its iopub messages once the kernel is
+    idle again."""
+    msg = k.client.session.msg(msg_type, content)
+    k.client.shell_channel.send(msg)
+    seen = []
+    while True:
+        got = k.client.get_iopub_msg(timeout=120)
+        if got["parent_header"].get("msg_id") != msg["header"]["msg_id"]:
+            continue
+        if got["msg_type"] == "status":
+            if got["content"]["execution_state"] == "idle":
+                return seen
+        else:
+            seen.append(got)
+
+
+def reply_to(k, msg_id, wait):
+    """The shell reply to `msg_id` (None if it has not come, when not `wait`); other
+    replies are passed over (wait_for_ready may leave a kernel_info_reply behind)."""
+    while wait or k.client.shell_channel.msg_ready():
+        msg = k.client.get_shell_msg(timeout=120)
+        if msg["parent_header"].get("msg_id") == msg_id:
+            return msg
+    return None
+
+
+def make_slider(k):
+    """Run SLIDER; the slider's comm id, checked against what the front end got."""
+    reply, seen = run(k, SLIDER)
+    assert reply["status"] == "ok", reply
+    opens = [m["content"] for m in seen if m["msg_type"] == "comm_open"
+             and m["content"]["data"]["state"].get("_model_name") == "IntSliderModel"]
+    assert len(opens) == 1, seen
+    assert opens[0]["target_name"] == "jupyter.widget"
+    assert opens[0]["data"]["state"]["value"] == 3
+    assert opens[0]["data"]["state"]["max"] == 10
+    comm_id = opens[0]["comm_id"]
+    views = [m["content"]["data"] for m in seen if m["msg_type"] == "execute_result"]
+    assert views[0]["application/vnd.jupyter.widget-view+json"]["model_id"] == comm_id
+    # The front end learns of the comm before it shows its view.
+    kinds = [m["msg_type"] for m in seen]
+    assert kinds.index("comm_open") < kinds.index("execute_result")
+    return comm_id
+
+
+def move_slider(k, comm_id, value):
+    """A front end's update of the slider's value; the kernel's echo of it."""
+    seen = send_comm(k, "comm_msg", {"comm_id": comm_id, "data": {
+        "method": "update", "state": {"value": value}, "buffer_paths": []}})
+    echoes = [m["content"]["data"] for m in seen if m["msg_type"] == "comm_msg"]
+    assert {"method": "echo_update", "state": {"value": value}, "buffer_paths": []} in echoes
+    return seen
+
+
+def test_widgets_through_the_api(make_server, tmp_path):
+    """A streamed /execute carries a widget's comm messages as lines of the documented
+    schema; a handled front-end message (protocol.comm_cell) makes a state whose widget
+    has the value, kept over a restart; a widget of a cell's class is volatile, by name."""
+    from kernel.protocol import comm_cell
+    from test_stream import stream
+    srv = make_server(tmp_path / "data")
+    answers = document()["paths"]["/execute"]["post"]["responses"]["200"]["content"]
+    line_schema = answers["application/x-ndjson"]["schema"]
+    lines = list(stream(srv, "/execute", {
+        "code": SLIDER + "class Mine(ipywidgets.IntSlider):\n    pass\nmine = Mine(value=4)\n",
+        "exec_id": "w1", "state_name": "initial", "new_state_name": "w1"}))
+    comms = [x for x in lines if x["type"] == "comm"]
+    for line in comms:
+        jsonschema.validate(line, line_schema)
+    opens = [x for x in comms if x["msg_type"] == "comm_open"]
+    sliders = [x["content"] for x in opens
+               if x["content"]["data"]["state"].get("_model_name") == "IntSliderModel"]
+    assert [s["data"]["state"]["value"] for s in sliders] == [3, 4]
+    answer = lines[-1]["answer"]
+    assert answer["state_name"] == "w1" and answer["volatile_symbols"] == ["Mine", "mine"]
+    assert not any(o["output_type"] == "comm" for o in answer["output"])
+    moved = srv.execute(comm_cell("comm_msg", {"comm_id": sliders[0]["comm_id"], "data": {
+        "method": "update", "state": {"value": 8}, "buffer_paths": []}}), "w1", "w2")
+    assert moved["volatile_symbols"] == ["Mine", "mine"]
+    srv.execute("slider.max = 20", "w2", "w2b")  # a cell's change, from a later state
+    srv.stop()
+    srv = make_server(tmp_path / "data")
+    assert srv.value("w2", "slider.value, slider.max, mine.value") == "(8, 10, 4)"
+    assert srv.value("w2b", "slider.value, slider.max") == "(8, 20)"
+    assert srv.value("w1", "slider.value") == "3"
+    bad = srv.execute(comm_cell("comm_msg", {"data": {}}), "w2", "w3", ok=False)
+    assert bad["error"]["ename"] == "KeyError" and bad["state_name"] is None
+    # What no comm or target here takes makes no state; an unknown target is closed.
+    unknown = srv.execute(comm_cell("comm_msg", {"comm_id": "nope", "data": {}}), "w2", "w3",
+                          ok=False)
+    assert unknown["error"]["ename"] == "CommNotHandled" and unknown["state_name"] is None
+    lines = list(stream(srv, "/execute", {
+        "code": comm_cell("comm_open", {"comm_id": "c1", "target_name": "nobody", "data": {}}),
+        "exec_id": "w4", "state_name": "w2", "new_state_name": "w4"}))
+    assert [x["msg_type"] for x in lines if x["type"] == "comm"] == ["comm_close"]
+    assert lines[-1]["answer"]["error"]["ename"] == "CommNotHandled"
+    assert srv.get("/states/w4").status_code == 404
+
+
+def test_slider_both_ways(kernel):
+    """A slider made in a cell reaches the front end; a value set there reaches the
+    kernel, and the next cell reads it; comm_info_request lists the comm."""
+    comm_id = make_slider(kernel)
+    move_slider(kernel, comm_id, 7)
+    assert kernel.text("print(slider.value)") == "7\n"
+    kernel.client.comm_info(target_name="jupyter.widget")
+    info = kernel.client.get_shell_msg(timeout=60)
+    assert info["msg_type"] == "comm_info_reply"
+    assert info["content"]["comms"][comm_id] == {"target_name": "jupyter.widget"}
+    # An observer of the widget runs where the widget lives, and prints to the front end.
+    kernel.text("seen = []\nslider.observe(lambda change: print('moved to', change['new']),"
+                " 'value')")
+    seen = move_slider(kernel, comm_id, 2)
+    assert [m["content"]["text"] for m in seen if m["msg_type"] == "stream"] == ["moved to 2\n"]
+    assert kernel.text("print(slider.value)") == "2\n"
+
+
+def test_progress_bar_updates_while_its_cell_runs(kernel, gate):
+    """tqdm.auto draws a widget bar whose updates reach the front end while the cell is
+    still running (it waits at a gate the test opens only once it saw them)."""
+    door = gate()
+    code = ("from tqdm.auto import tqdm\nbar = tqdm(total=3, mininterval=0)\nbar.update(1)\n"
+            + door.code + "bar.update(2)\nbar.close()\ndel bar\n")
+    msg_id = kernel.client.execute(code)
+    values = []
+
+    def progress():
+        """The bar's values seen so far (comm_msg updates of its FloatProgress)."""
+        while kernel.client.iopub_channel.msg_ready():
+            msg = kernel.client.get_iopub_msg(timeout=1)
+            if msg["parent_header"].get("msg_id") != msg_id:
+                continue
+            if msg["msg_type"] == "comm_msg":
+                state = msg["content"]["data"].get("state", {})
+                if "value" in state:
+                    values.append(state["value"])
+            if msg["msg_type"] == "comm_open":
+                assert msg["content"]["target_name"] == "jupyter.widget"
+        return values
+
+    wait_for(lambda: 1 in progress(), what="the bar at 1 of 3 while its cell runs")
+    assert reply_to(kernel, msg_id, wait=False) is None  # the cell has not ended
+    door.open()
+    reply = reply_to(kernel, msg_id, wait=True)
+    assert reply["content"]["status"] == "ok", reply["content"]
+    wait_for(lambda: 3 in progress(), what="the bar at 3 of 3")
+
+
+def test_widget_survives_a_server_restart(kernel, data_dir):  # noqa: F811
+    """A widget comes back after a server restart with the value the front end set, and
+    still answers the front end under the same id; a widget of a class a cell defined
+    is volatile, reported by name."""
+    comm_id = make_slider(kernel)
+    move_slider(kernel, comm_id, 7)
+    reply, _ = run(kernel, "class Mine(ipywidgets.IntSlider):\n    pass\n"
+                           "mine = Mine(value=4)\nmine.value = 5\n")
+    assert reply["status"] == "ok", reply
+    stop_server(data_dir)
+    assert kernel.text("print(slider.value, slider.max, type(slider).__name__, "
+                       "slider.layout.__class__.__name__)") == "7 10 IntSlider Layout\n"
+    move_slider(kernel, comm_id, 9)
+    assert kernel.text("print(slider.value)") == "9\n"
+    # Not rebuilt from its model: remade by its cell (replayed), with that cell's value.
+    assert kernel.text("print(mine.value)") == "5\n"
+
+
+def test_widgets_in_jupyterlab(lab):
+    """In JupyterLab in headless Chromium: a slider renders, moving it with the keyboard
+    changes the value the next cell reads, and a tqdm.auto bar shows."""
+    By, Keys = lab.By, lab.Keys
+    lab.open("widgets.ipynb")
+    lab.run_in_last_cell(SLIDER.strip())
+
+    def readouts():
+        """The texts of the sliders' readouts on the page."""
+        return [e.text for e in lab.browser.find_elements(By.CSS_SELECTOR,
+                                                          ".widget-slider .widget-readout")]
+
+    wait_for(lambda: readouts() == ["3"], timeout=120, what="the slider to render at 3")
+    handle = lab.browser.find_element(By.CSS_SELECTOR, ".widget-slider .noUi-handle")
+    handle.click()
+    handle.send_keys(Keys.ARROW_RIGHT, Keys.ARROW_RIGHT, Keys.ARROW_RIGHT)
+    wait_for(lambda: readouts() == ["6"], what="the slider moved to 6 on the page")
+    wait_for(lab.idle, timeout=120, what="the kernel to take the slider's moves")
+    lab.run_in_last_cell("print('the kernel reads', slider.value)")
+    wait_for(lambda: "the kernel reads 6" in lab.outputs(), timeout=120,
+             what="the next cell to read the value set on the page")
+    lab.run_in_last_cell("from tqdm.auto import tqdm\nfor i in tqdm(range(4), desc='steps'):\n"
+                         "    pass")
+
+    def bars():
+        """The progress bars' texts (description and count; tqdm pads with figure
+        spaces, made plain here) on the page."""
+        return [" ".join(e.text.split()) for e in lab.browser.find_elements(By.CSS_SELECTOR,
+                                                          ".jp-OutputArea-output")
+                if e.find_elements(By.CSS_SELECTOR, ".widget-hprogress .progress-bar")]
+
+    wait_for(lambda: any("steps: 100%" in b and "4/4" in b for b in bars()), timeout=120,
+             what="tqdm's bar to show 4/4")
