@@ -77,8 +77,9 @@ def load(path=None, overrides=None):
         raise ConfigError("store.durability must be 'sync' or 'async'")
     if flat["store.remote"]:
         _check_remote(flat)
-    if flat["workers.spare_after_quiet_s"] < 0:
-        raise ConfigError("workers.spare_after_quiet_s must be 0 or more")
+    for key in ("workers.spare_after_quiet_s", "workers.chain_step_s"):
+        if flat[key] < 0:
+            raise ConfigError(f"{key} must be 0 or more")
     if flat["display.figure_format"] not in ("png", "svg", "retina"):
         raise ConfigError("display.figure_format must be 'png', 'svg' or 'retina'")
     for key in PATH_SETTINGS:

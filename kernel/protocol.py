@@ -75,6 +75,10 @@ class Execute(NamedTuple):
     `keep_on_error` (notebook runs that go on past a failing cell): a cell
     that raises still stores its state, what it did before it raised, as a
     live kernel keeps it; the answer carries the error and the state.
+    `input_holder` False (set by the server, see Pool.take_child): the child
+    that made the input state, which has not forked that state's holder yet,
+    runs this cell without forking it: a step of a chain, whose input state
+    is then restored from the store when run from again.
     """
     code: str
     new_name: str
@@ -85,6 +89,7 @@ class Execute(NamedTuple):
     home: str | None = None
     fresh_imports: bool = False
     keep_on_error: bool = False
+    input_holder: bool = True
 
     def failed(self, error):
         """The result that reports `error` for this request."""

@@ -54,10 +54,11 @@ UNSHARED = frozenset({"initial"})
 _READ_AHEAD_KEYS = 2 ** 16
 
 
-def open_store(settings):
-    """This process's store: LMDB alone, or LMDB caching the remote of `store.remote`."""
+def open_store(settings, meta_sync=True):
+    """This process's store: LMDB alone, or LMDB caching the remote of `store.remote`
+    (`meta_sync`: see Store)."""
     kind = CachedStore if settings["store.remote"] else Store
-    return kind.for_process(settings["server.data_dir"], settings)
+    return kind.for_process(settings["server.data_dir"], settings, meta_sync)
 
 
 def _time(value):
@@ -68,9 +69,10 @@ def _time(value):
 class CachedStore(Store):
     """An LMDB store that reads and writes through to a remote store."""
 
-    def __init__(self, path, settings, checked=False):
-        """Open the LMDB cache at `path` for the remote of `settings` (`checked`: as Store)."""
-        super().__init__(path, settings, checked)
+    def __init__(self, path, settings, checked=False, meta_sync=True):
+        """Open the LMDB cache at `path` for the remote of `settings` (`checked`,
+        `meta_sync`: as Store)."""
+        super().__init__(path, settings, checked, meta_sync)
         self.remote = RemoteStore(settings["store.remote"], settings["store.remote_endpoint"],
                                   settings)
         self.book = self.env.open_db(b"remote", create=not self.readonly)

@@ -101,13 +101,23 @@ class Store:
 
     _per_process = {}
 
-    def __init__(self, path, settings=None, checked=False):
+    def __init__(self, path, settings=None, checked=False, meta_sync=True):
         """Open the store at `path`: for writing (created if needed) under the
         `store.*` tunables of `settings`, or read-only when settings is None.
         Refuses a foreign store, and a data file that lacks pages it uses
         (`check_data_file`) unless `checked`: the caller has just checked it,
         or the process this one was forked from did and holds it open (see
         `for_process`).
+
+        With durability "sync" a commit flushes the pages it wrote, then its
+        meta page (the one that makes it the newest transaction), each with
+        a flush of its own. `meta_sync` False (the workers' handles) leaves
+        out the second: a commit is whole on disk before anything refers to
+        it, so a machine crash can only undo it, never tear the store, and
+        it is durable once anything flushes the file again (any later
+        commit, or `sync`): the server does before it answers (see
+        Registry.execute), or once for a whole notebook run, when it stores
+        the run's results.
 
         A blob is stored compressed if that saves `store.compress_min_saving`
         of its size; `store.threads` hash, compress and check the chunks of a
@@ -137,7 +147,8 @@ class Store:
             # pages, one after the other (without it, page faults read 4 KiB at a time:
             # 17 s for 700 MB not in the page cache, 2 s with it; see `prefetch`).
             self.env = lmdb.open(path, map_size=map_size, max_dbs=5,
-                                 sync=sync, metasync=sync, readonly=self.readonly,
+                                 sync=sync, metasync=sync and meta_sync,
+                                 readonly=self.readonly,
                                  readahead=True, create=not self.readonly, lock=True)
             self.meta = self.env.open_db(b"meta", create=not self.readonly)
             self.blobs = self.env.open_db(b"blobs", create=not self.readonly)
@@ -153,8 +164,9 @@ class Store:
         self._check_format()
 
     @classmethod
-    def for_process(cls, path, settings):
-        """The store handle of the calling process, opened on first use.
+    def for_process(cls, path, settings, meta_sync=True):
+        """The store handle of the calling process, opened on first use (`meta_sync`:
+        see __init__; it is the process's for as long as it keeps the handle).
 
         An LMDB handle must not be used across a fork, and py-lmdb refuses a
         second open of an environment in one process. So a forked process
@@ -180,7 +192,8 @@ class Store:
             checked = any(k[1] == path for k in inherited)
             for k in inherited:
                 cls._per_process.pop(k).close()
-            store = cls._per_process[key] = cls(path, settings, checked=checked)
+            store = cls._per_process[key] = cls(path, settings, checked=checked,
+                                                meta_sync=meta_sync)
         return store
 
     @classmethod
@@ -478,7 +491,8 @@ class Store:
                 "room": max(self.env.info()["map_size"] - file_pages * meta.page_size, 0)}
 
     def sync(self):
-        """Flush to disk (used with durability = "async")."""
+        """Flush to disk every transaction committed so far, by any process (with
+        durability "async"; and the commits of handles opened with meta_sync False)."""
         self.env.sync(True)
 
 

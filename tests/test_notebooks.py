@@ -7,8 +7,11 @@ sources with its own comment to start from a store that never saw them.
 
 import itertools
 import json
+import os
+import signal
 
 import pytest
+import requests
 
 from conftest import in_thread, wait_for
 
@@ -197,6 +200,52 @@ def test_a_second_run_runs_nothing_also_after_a_restart(make_server, tmp_path):
     record = srv.get("/notebooks/again").json()
     assert record["running"] is False and statuses(record) == statuses(third)
     assert shown(record, "c3") == shown(first, "c3")
+
+
+def test_a_run_cut_by_sigkill_leaves_the_store_as_before_it(make_server, tmp_path, gate):
+    """The server is killed while a run's third cell runs, after its second cell made a
+    state (committed without a flush of its own: the run's states become durable
+    together when it ends). After a restart the store opens, what the run before made
+    is intact, and the next run runs the killed run's cells again, reusing the rest."""
+    data = tmp_path / "store"
+    srv = make_server(data)
+    ran = tmp_path / "ran.txt"
+    wait = gate()
+    sources = ["import numpy as np\na = np.arange(5)", "b = a * 2", "c = b + 1\nprint(c)"]
+    nb = cells("sigkill", *[f"open({str(ran)!r}, 'a').write('c{n} ')\n{src}"
+                            for n, src in enumerate(sources)])
+    first = run(srv, "sigkill", nb)
+    assert set(statuses(first).values()) == {"ran"}
+    before = {c["id"]: c["state_name"] for c in first["cells"]}
+    edited = [dict(c) for c in nb]
+    edited[1]["source"] = edited[1]["source"].replace("a * 2", "a * 3")
+    edited[2]["source"] = wait.code + edited[2]["source"]
+    cut = in_thread(run, srv, "sigkill", edited)
+    [child] = wait.arrived()
+    record = srv.get("/notebooks/sigkill").json()
+    assert record["running"] is True and statuses(record)["c1"] == "ran"
+    made_in_cut = cell(record, "c1")["state_name"]
+    srv.stop(signal.SIGKILL)
+    with pytest.raises(requests.ConnectionError):
+        cut.result(timeout=60)
+    os.kill(child, signal.SIGKILL)  # the orphaned cell, left waiting at the gate
+    wait.open()
+    srv = make_server(data)
+    for cell_id, state in before.items():
+        assert srv.get(f"/states/{state}").status_code == 200
+    assert srv.value(before["c1"], "b.tolist()") == "[0, 2, 4, 6, 8]"
+    assert srv.value(before["c2"], "c.tolist()") == "[1, 3, 5, 7, 9]"
+    assert srv.get("/notebooks/sigkill").json()["cells"] == first["cells"]
+    # The killed run stored no result: its cells run again, the one before it is reused.
+    ran.write_text("")
+    again = run(srv, "sigkill", edited)
+    assert statuses(again) == {"c0": "reused", "c1": "ran", "c2": "ran"}
+    assert ran.read_text() == "c1 c2 "
+    assert shown(again, "c2") == "[ 1  4  7 10 13]"
+    assert cell(again, "c1")["state_name"] == made_in_cut  # the same key, named again
+    # And the run before it is still whole: the first notebook is reused entirely.
+    assert set(statuses(run(srv, "sigkill", nb)).values()) == {"reused"}
+    assert ran.read_text() == "c1 c2 "
 
 
 def test_moving_a_cell_in_dataflow_order_runs_nothing(server):

@@ -229,9 +229,10 @@ def test_state_whose_maker_died_before_forking_its_holder_is_restored_soon(make_
 
 
 def test_next_cell_runs_in_the_process_that_made_its_state(make_server):
-    """In a notebook run in order, the child that made a state takes the next cell itself
-    (its holder forked off); earlier states stay intact and their dead holders are reaped."""
-    srv = make_server()
+    """In a chain, the child that made a state takes the next cell itself; with
+    hold_chain_steps it forks the state's holder first. Earlier states stay intact and
+    their dead holders are reaped."""
+    srv = make_server(config="[workers]\nhold_chain_steps = true\n")
     srv.execute("import os\npids = [os.getpid()]", new="run-a")
     srv.execute("pids.append(os.getpid())", state="run-a", new="run-b")
     out = srv.execute("pids.append(os.getpid())\npids", state="run-b", new="run-c")["output"]
@@ -257,6 +258,24 @@ def test_next_cell_runs_in_the_process_that_made_its_state(make_server):
     wait_for(lambda: zombies() >= 2, "the deleted states' holders to exit")
     srv.execute("pids.append(os.getpid())", state="run-c", new="run-d")
     wait_for(lambda: not zombies(), "the runner to reap its exited holders")
+
+
+def test_a_chain_sent_back_to_back_keeps_every_state(make_server):
+    """Cells sent as soon as the answer before them came run in the process that made
+    their input state; a state that was only a step of the chain (no holder forked for
+    it, if the next cell came first) is restored from the store when run from again,
+    with its value, also while others run from it at once."""
+    srv = make_server()
+    made = [srv.execute("import os\nx = 0\npids = [os.getpid()]", new="step-0")]
+    for n in range(1, 12):
+        made.append(srv.execute("x += 1\npids.append(os.getpid())", state=f"step-{n - 1}",
+                                new=f"step-{n}"))
+    assert srv.value("step-11", "len(set(pids))") == "1"
+    again = [in_thread(srv.execute, "x * 10", state=f"step-{n}") for n in range(12)]
+    for n, future in enumerate(again):
+        assert future.result(timeout=120)["output"][0]["data"]["text/plain"] == str(n * 10)
+    for n in range(12):
+        assert srv.value(f"step-{n}", "x, len(pids)") == f"({n}, {n + 1})"
 
 
 def test_the_warm_up_between_cells_is_not_seen_by_the_users_cell_events(make_server,
@@ -309,7 +328,8 @@ def test_state_left_behind_by_a_run_in_order_gets_a_spare_once_quiet(make_server
     """The child that made a state is taken by the next cell without a replacement being
     forked at once (it would compete with that cell); once no cell has run for
     spare_after_quiet_s, the state's holder forks a spare, and a later cell runs in it."""
-    srv = make_server(config="[workers]\nspare_after_quiet_s = 0.3\n")
+    srv = make_server(config="[workers]\nhold_chain_steps = true\n"
+                             "spare_after_quiet_s = 0.3\n")
     holder = _leave_state_behind(srv, "left")
     spares = _children(holder)
     pid, parent = _run_in(srv, "left")
@@ -322,7 +342,8 @@ def test_state_run_again_before_the_quiet_moment_gets_its_spare_at_once(make_ser
     asks for its deferred spare at once, so the cell after finds one ready."""
     path = tmp_path / "trace.jsonl"
     srv = make_server(config=f'[server]\ntrace_file = "{path}"\n'
-                             "[workers]\nspare_after_quiet_s = 600\n")
+                             "[workers]\nhold_chain_steps = true\n"
+                             "spare_after_quiet_s = 600\n")
     holder = _leave_state_behind(srv, "again")
     first, _ = _run_in(srv, "again", exec_id="again-1")
     # Deferred (the quiet moment is 10 minutes away): the holder forked nothing before
@@ -344,7 +365,8 @@ def test_spares_owed_after_a_run_in_order_come_one_at_a_time_last_used_first(mak
     held up the next run's first cell)."""
     path = tmp_path / "trace.jsonl"
     srv = make_server(config=f'[server]\ntrace_file = "{path}"\n'
-                             "[workers]\nspare_after_quiet_s = 0.5\n")
+                             "[workers]\nhold_chain_steps = true\n"
+                             "spare_after_quiet_s = 0.5\n")
     srv.execute("import os\nx = 1", new="c0")
     seen, holders = set(), []
     for i in range(1, 4):

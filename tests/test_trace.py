@@ -18,7 +18,7 @@ def test_every_phase_of_an_execution_is_stamped_in_order(make_server, tmp_path):
     assert after in ([], ["forked"], ["forked", "warmed"])
     assert [s["phase"] for s in stamps if s["phase"] not in after] == [
         "request", "sent", "received", "compiled", "ran", "saved", "answering", "answer",
-        "bound", "reply"]
+        "bound", "synced", "reply"]
     phases = [s["phase"] for s in stamps]
     assert all(phases.index(p) > phases.index("answering") for p in after)
     roles = {s["phase"]: (s["role"], s["pid"]) for s in stamps}

@@ -15,11 +15,13 @@ key of its composition.
 
 The record of a run (protocol.NotebookRun) is kept in memory while the
 run goes on, for GET /notebooks/NAME, and stored when it ends, with the
-results of the cells that ran, in one transaction: a commit flushes to
-disk, and one per cell cost more than the run's other bookkeeping
-together. A run cut short by an error still stores its results; a crash
-of the server loses them (the cells' states stay until gc_states.py), and
-the cells run again.
+results of the cells that ran, in one synced transaction, which also makes
+durable every state the run made: the cells' states are committed without
+a flush of their own (Registry.execute's `durable`), as a flush per cell
+cost more than the run's other bookkeeping together. A run cut short by an
+error still stores its results; a crash of the server loses them (the
+cells' states stay until gc_states.py; a machine crash may undo the last
+of them, never tear the store), and the cells run again.
 """
 
 import contextlib
@@ -326,7 +328,8 @@ class NotebookRunner:
                                            f"{STATE_PREFIX}{run.keys[i]}",
                                            keep_live=keep_live, cancel=run.stop,
                                            cwd=run.cwd, fresh_imports=True,
-                                           keep_on_error=keep_on_error).to_json()
+                                           keep_on_error=keep_on_error,
+                                           durable=False).to_json()
             if answer["state_name"] is None:
                 return answer, answer["error"]
             answer["provenance"] = self._provenance(answer, base, provenance, run.keys[i],
@@ -411,7 +414,7 @@ class NotebookRunner:
             last = n == len(steps) - 1
             try:
                 made = self.registry.rebuild(base, source, names, sorted(keep),
-                                             name if last else None)
+                                             name if last else None, durable=False)
             except (KernelError, StoreFull) as exc:  # a source cannot be loaded, store full
                 raise _ComposeFailed(error(getattr(exc, "etype", "StoreFull"),
                                            f"composing the input state failed: "

@@ -30,6 +30,7 @@ class CellRun:
         self.phase = "running"
         self.stopped = None  # (ename, evalue) once a watcher or /interrupt stopped it
         self.started = time.monotonic()
+        self.private_before = 0  # private memory of a child that holds its state alone
 
 
 class CellRuns:
@@ -63,9 +64,15 @@ class CellRuns:
                 run.stopped = ("KeyboardInterrupt", "interrupted before the cell started")
         try:
             try:
-                run.child = self._take_child(manifest)
+                run.child, alone = self._take_child(manifest,
+                                                    isinstance(request, protocol.Execute))
             except WorkerError as exc:
                 return request.failed(protocol.error(exc.ename, str(exc))), None
+            if alone and isinstance(request, protocol.Execute):
+                request = request._replace(input_holder=False)
+            if alone and self.settings["limits.max_cell_memory_mb"]:
+                # The state the child made is its own private memory, not the cell's.
+                run.private_before = private_bytes(run.child.pid)
             if run.stopped:
                 run.child.kill()
                 return request.failed(protocol.error(*run.stopped)), None
@@ -84,16 +91,17 @@ class CellRuns:
             if run.child is not None:
                 self.pool.cell_done()
 
-    def _take_child(self, manifest):
-        """A child of the state's live holder, restoring the state anew each time that
-        holder is evicted or replaced between being found and giving a child (states
+    def _take_child(self, manifest, chain):
+        """(a child of the state's live holder, whether it holds the state alone: see
+        Pool.take_child), restoring the state anew each time that holder is
+        evicted or replaced between being found and giving a child (states
         restored by concurrent requests can evict each other), for at most
-        worker_start_timeout_s."""
+        worker_start_timeout_s. `chain`: the request is an Execute."""
         deadline = time.monotonic() + self.settings["workers.worker_start_timeout_s"]
         while True:
             live = self.pool.live_state(manifest)
             try:
-                return self.pool.take_child(live)
+                return self.pool.take_child(live, chain)
             except WorkerError:
                 if live.alive() or time.monotonic() > deadline:
                     raise
@@ -137,8 +145,8 @@ class CellRuns:
             return
         if timeout and time.monotonic() - run.started > timeout:
             self._stop(run, "Timeout", f"the cell ran longer than cell_timeout_s = {timeout} s")
-        elif max_mem and private_bytes(run.child.pid) > max_mem:
-            # Private pages only: the state shared with the holder is not the cell's.
+        elif max_mem and private_bytes(run.child.pid) - run.private_before > max_mem:
+            # Private pages the cell added: the state shared with the holder is not its.
             run.stopped = ("MemoryLimit", "the cell used more than max_cell_memory_mb = "
                            f"{max_mem // 2 ** 20} MiB")
             run.child.kill()

@@ -372,13 +372,57 @@ class Pool:
             conn.send(protocol.Fork())
         live.forks_owed = 0
 
-    def take_child(self, live):
-        """A child of `live`'s holder ready to run a request (a spare, or a new fork).
+    def take_child(self, live, chain=False):
+        """(a child of `live`'s holder ready to run a request (a spare, or a new
+        fork), whether that child holds the state alone: it made the state and
+        forks no holder, the state being holderless or this request a chain step).
+
+        `chain` (an Execute): if the child that made the state has not forked
+        its holder yet (a client that sends its next cell as soon as it has
+        the answer), it takes the cell as a step of a chain: the state gets no
+        holder, as a fork would hold up the cell (3 to 20 ms, and every page
+        the cell writes would then be copied), and a later request restores it
+        from the store (see _take_maker). Not with workers.hold_chain_steps.
 
         Pair every successful call with `cell_done` once the request is over.
         """
         if live.holderless:
-            return self._take_only_child(live)
+            return self._take_only_child(live), True
+        if chain and not self.settings["workers.hold_chain_steps"]:
+            child = self._take_maker(live)
+            if child is not None:
+                return child, True
+        return self._take_spare(live), False
+
+    def _take_maker(self, live):
+        """The child that made `live`'s state, if the state's holder has not connected
+        yet; the state then leaves the live states (a holder already forked is
+        killed when it connects). None otherwise."""
+        with self.lock:
+            maker = live.child_that_made_it
+            if live.conn is not None or maker is None or self.live.get(live.state_id) \
+                    is not live:
+                return None
+            try:
+                child = live.spares.get_nowait()
+            except queue.Empty:
+                return None
+            if child is not maker:
+                live.spares.put(child)
+                return None
+            del self.live[live.state_id]
+            self.stopped_states.add(live.state_id)
+            self._forget_maker(live)
+            live.stop()  # requests waiting for a spare of it restore it instead
+            if child.idle():
+                self.cells += 1
+                return child
+        child.kill()
+        self.child_died(child.pid)
+        return None
+
+    def _take_spare(self, live):
+        """A spare of `live`'s holder (or a new fork)."""
         timeout = self.settings["workers.worker_start_timeout_s"]
         while True:
             try:

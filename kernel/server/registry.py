@@ -64,14 +64,14 @@ class Registry:
             self.names[INITIAL] = manifest
 
     def close(self):
-        """Stop every worker process; with durability = "async", flush the store to disk;
+        """Stop every worker process; flush the store to disk (states written since the
+        last flush: with durability = "async", or by a notebook run cut short);
         close this process's handle on it. Once: later calls do nothing."""
         if self.closed:
             return
         self.closed = True
         self.pool.close()
-        if self.settings["store.durability"] == "async":
-            self.store.sync()
+        self.store.sync()
         Store.release(self.settings["server.data_dir"])
 
     # Metadata ----------------------------------------------------------------
@@ -193,7 +193,7 @@ class Registry:
 
     def execute(self, code, exec_id, state_name, new_name=None, on_output=None,
                 keep_live=True, cancel=None, cwd=None, fresh_imports=False,
-                keep_on_error=False):
+                keep_on_error=False, durable=True):
         """Run `code` from `state_name`; on success name the new state `new_name`.
 
         Returns the ExecuteAnswer; `on_output(item)` receives the outputs as
@@ -203,7 +203,9 @@ class Registry:
         interrupted as it starts (after, interrupt(exec_id) stops it). `cwd`:
         the notebook's folder (protocol.Execute's `home`): an absolute path to
         a folder, else InvalidRequest. `fresh_imports`, `keep_on_error`:
-        protocol.Execute's.
+        protocol.Execute's. `durable` False: the new state may be lost to a machine
+        crash until something flushes the store (a notebook run's states, made
+        durable together when the run stores its results).
         """
         manifest = self._lookup(state_name)
         with self.lock:
@@ -223,6 +225,8 @@ class Registry:
         kept = result.manifest is None or self._bind(result.manifest, child, generation,
                                                      keep_live)
         trace.stamp("bound", request.exec_id)
+        if kept and result.manifest is not None and durable:
+            self._flush(request.exec_id)
         if not kept:
             answer.state_name = None
             answer.error = protocol.error(
@@ -247,8 +251,10 @@ class Registry:
         self._raise_store_error(result.answer.error)
         return result.answer
 
-    def rebuild(self, input_state, source_state, source_vars, input_vars, new_name=None):
-        """Make a state of `source_vars` from one state and `input_vars` from another."""
+    def rebuild(self, input_state, source_state, source_vars, input_vars, new_name=None,
+                durable=True):
+        """Make a state of `source_vars` from one state and `input_vars` from another
+        (`durable`: as in execute)."""
         _check_new_name(new_name)
         with self.lock:
             generation = self.generation
@@ -264,6 +270,8 @@ class Registry:
             raise RequestFailed(result.error["evalue"], etype=result.error["ename"])
         if not self._bind(result.manifest, child, generation):
             raise Conflict("the store was reset while the state was rebuilt; it was not kept")
+        if durable:
+            self._flush()
         return dict(state_name=request.new_name, **_groups_of(result.manifest))
 
     def interrupt(self, exec_id):
@@ -285,6 +293,16 @@ class Registry:
             self.shared.bound(manifest)
         if old is not None and old["id"] != manifest["id"]:
             self.pool.retire(old["id"])
+
+    def _flush(self, exec_id=None):
+        """Make every state stored so far durable before an answer names one, with
+        durability "sync". The workers' commits do not flush their meta page (see
+        Store), so this flush also makes durable the unflushed states of notebook
+        runs the answer's state may descend from. The child that made the state
+        forks its holder meanwhile."""
+        if self.settings["store.durability"] == "sync":
+            self.store.sync()
+            trace.stamp("synced", exec_id)
 
     def _raise_store_error(self, error, new_name=None):
         """Raise the store failure a worker reported (full; damaged bytes met while

@@ -24,7 +24,8 @@ from storage import snapshot
 from storage.store import StoreError
 
 # After its answer, the child that made a state forks the state's holder after this long
-# or when the next request comes, whichever is first (see CellChild.run).
+# or when the next request comes, whichever is first (see CellChild.run); a next cell
+# from that state that comes within workers.chain_step_s instead runs without it.
 HOLDER_AFTER_S = 0.002
 
 
@@ -36,6 +37,9 @@ class CellChild:
         self.state = state
         self.channel = state.channel
         self.forked_holders = []  # pids of the holders this process forked (fork_holder)
+        settings = state.settings
+        self.holder_after_s = HOLDER_AFTER_S if settings["workers.hold_chain_steps"] else \
+            max(settings["workers.chain_step_s"], HOLDER_AFTER_S)
 
     def run(self, msg):
         """Serve requests: after one that made a state, stay as a spare of that state
@@ -63,15 +67,23 @@ class CellChild:
                     continue
                 # Fork once the server has read the answer and sent its reply (a fork at
                 # once delays both, by a millisecond or more when the cores were idle),
-                # or as soon as the next request comes: it must not run before the
-                # state has its holder.
-                select.select([self.channel], [], [], HOLDER_AFTER_S)
+                # and the next cell had time to come as a chain step, or as soon as
+                # another request comes: it must not run before the state has its
+                # holder, unless the server made it a chain step.
+                made_by = msg.exec_id
+                msg = None
+                if select.select([self.channel], [], [], self.holder_after_s)[0]:
+                    msg = self.channel.recv()
+                    if isinstance(msg, protocol.Execute) and not msg.input_holder:
+                        continue
                 self.fork_holder()
-                trace.stamp("forked", msg.exec_id)
-                self.state.warm(wait=False)
-                trace.stamp("warmed", msg.exec_id)
+                trace.stamp("forked", made_by)
+                if msg is None:
+                    self.state.warm(wait=False)
+                    trace.stamp("warmed", made_by)
                 self.reap_holders()  # those stopped while this one was forked
-                msg = self.channel.recv()
+                if msg is None:
+                    msg = self.channel.recv()
             except (ChannelClosed, OSError):
                 os._exit(0)
 

@@ -13,7 +13,10 @@ Two layers enforce `limits.max_cell_memory_mb` and `limits.max_cell_processes`:
   too), so fork() past the limit fails with EAGAIN (BlockingIOError).
 - In the server, every 0.25 s (kernel/server/cell_runs.py): the private
   resident memory of the cell's process (what it allocated or copied, not
-  the pages it shares with its state's holder) and the number of processes
+  the pages it shares with its state's holder; when the process made the
+  state and forked no holder, what it has beyond what it had as the cell
+  started) and
+  the number of processes
   in its process group. Past a limit the cell is killed (MemoryLimit,
   ProcessLimit). This is the only process bound where no cgroup is
   available (RLIMIT_NPROC does not bind root); a fast fork burst can then

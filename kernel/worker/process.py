@@ -125,8 +125,9 @@ class WorkerProcess:
         self.channel.send(protocol.Hello(role=role, pid=os.getpid(), **hello))
 
     def store(self):
-        """This process's handle on the store."""
-        return open_store(self.settings)
+        """This process's handle on the store. Its commits do not flush their meta
+        page: the server makes them durable (Store's meta_sync)."""
+        return open_store(self.settings, meta_sync=False)
 
     def reaper(self):
         """Route SIGCHLD to a pipe so the select loop can reap children; returns its fd."""

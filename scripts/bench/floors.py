@@ -94,6 +94,24 @@ print(json.dumps(times))
 """
 
 
+# One page written in place and flushed: what each of a synced commit's two flushes (its
+# pages, then its meta page) costs at the least.
+_FLUSHES = r"""
+import json, os, sys, time
+fd = os.open(os.path.join(sys.argv[1], "pages"), os.O_RDWR | os.O_CREAT)
+os.write(fd, bytes(2 ** 20))
+os.fsync(fd)
+times = []
+for i in range(int(sys.argv[2])):
+    time.sleep(float(sys.argv[3]))
+    start = time.perf_counter()
+    os.pwrite(fd, os.urandom(4096), 4096 * (i % 256))
+    os.fdatasync(fd)
+    times.append(time.perf_counter() - start)
+print(json.dumps(times))
+"""
+
+
 # fork() of a process that imported what every holder has (the warm zygote's imports).
 _FORKS = r"""
 import json, os, sys, time
@@ -177,6 +195,14 @@ def _commit_floor(folder, pause):
     return json.loads(done.stdout)[5:]
 
 
+def _flush_floor(folder, pause):
+    """Seconds of a 4 KiB write in place and its fdatasync, in a process of its own."""
+    path = tempfile.mkdtemp(dir=folder, prefix="floor-flush-")
+    done = subprocess.run([sys.executable, "-c", _FLUSHES, path, str(_CALLS), str(pause)],
+                          capture_output=True, text=True, check=True)
+    return json.loads(done.stdout)[5:]
+
+
 def _fork_floor(pause):
     """Seconds of fork() calls of a process holding a holder's imports."""
     done = subprocess.run([sys.executable, "-c", _FORKS, str(_CALLS), str(pause)],
@@ -249,7 +275,8 @@ def wl_floors(peers, p, table, details, keep):
                     "bottle on cheroot": lambda: _http_floor(_BOTTLE_SERVER, pause),
                     "process hop": lambda: _hop_floor(pause),
                     "synced commit": lambda: _commit_floor(folder, pause),
-                    "fork": lambda: _fork_floor(pause)}
+                    "fork": lambda: _fork_floor(pause),
+                    "flush": lambda: _flush_floor(folder, pause)}
         samples = {name: [] for name in measures}
         for _ in range(_ROUNDS):
             for name, measure in measures.items():
@@ -258,12 +285,15 @@ def wl_floors(peers, p, table, details, keep):
         table.add("fl", f"HTTP round trip, a thread per connection, no framework ({when})",
                   {"ours": floors.pop("raw HTTP")})
         fork = floors.pop("fork")
+        flush = floors.pop("flush")
         table.add("fl", f"HTTP round trip, bottle on cheroot, JSON in and out ({when})",
                   {"ours": floors["bottle on cheroot"]})
         table.add("fl", f"a byte to a forked process and back ({when})",
                   {"ours": floors["process hop"]})
         table.add("fl", f"synced LMDB commit of one small record ({when})",
                   {"ours": floors["synced commit"]})
+        table.add("fl", f"a 4 KiB write in place and fdatasync ({when}); a synced commit "
+                  f"flushes twice (its pages, then its meta page)", {"ours": flush})
         table.add("fl", f"sum of the three above: the least a trivial cell can take here "
                   f"({when}; a's target: ≤ 3 ms)", {"ours": sum(floors.values())})
         table.add("fl", f"fork() of a process with a holder's imports ({when}); a cell run "

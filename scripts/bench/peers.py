@@ -82,9 +82,10 @@ class Peer:
         self.dir = os.path.join(workdir, self.kind)
         os.makedirs(self.dir, exist_ok=True)
 
-    def must(self, code, state="initial", new=None):
-        """Execute and fail loudly if the cell raised; returns (seconds, answer)."""
-        elapsed, answer = self.execute(code, state, new)
+    def must(self, code, state="initial", new=None, flush=True):
+        """Execute and fail loudly if the cell raised; returns (seconds, answer).
+        `flush` False: no os.sync() first (see execute)."""
+        elapsed, answer = self.execute(code, state, new, flush=flush)
         if answer.get("error"):
             raise RuntimeError(f"{self.kind}: {code[:60]!r} failed: {answer['error']}")
         return elapsed, answer
@@ -140,13 +141,15 @@ class HttpPeer(Peer):
         """One request; (seconds, status, answer)."""
         return self.client.call(method, path, body)
 
-    def execute(self, code, state="initial", new=None, exec_id=None):
-        """POST /execute; returns (seconds, answer)."""
+    def execute(self, code, state="initial", new=None, exec_id=None, flush=True):
+        """POST /execute; returns (seconds, answer). `flush` False: no os.sync() first
+        (a cell sent as soon as the answer before it came: the sync would be a pause)."""
         body = {"code": code, "exec_id": exec_id or f"b{next(_ids)}", "state_name": state,
                 "new_state_name": new or f"n{next(_ids)}"}
         # Earlier cells' writes (the dill peer's checkpoints above all) are flushed now,
         # not by the kernel while this cell waits on its own flush.
-        os.sync()
+        if flush:
+            os.sync()
         elapsed, status, answer = self.client.call("POST", "/execute", body)
         if status != 200:
             answer = {"error": answer.get("error") if answer else {"ename": str(status)}}
@@ -292,9 +295,10 @@ class Ipykernel(Peer):
         """The kernel's process id."""
         return self.manager.provisioner.pid
 
-    def execute(self, code, state="initial", new=None, exec_id=None):
+    def execute(self, code, state="initial", new=None, exec_id=None, flush=True):
         """Run `code` in the kernel; (seconds, answer shaped as ours: output, error, state_name)."""
-        os.sync()  # as for the HTTP peers
+        if flush:
+            os.sync()  # as for the HTTP peers
         started = time.perf_counter()
         msg_id = self.client.execute(code, store_history=True, allow_stdin=False)
         outputs = []

@@ -34,6 +34,7 @@ PHASES = {
     "answering": "child: the answer made",
     "answer": "child → server: the answer read",
     "bound": "server: the new state named, its child kept as a spare",
+    "synced": "server: the store flushed, so the answer is durable",
     "reply": "server: the reply made",
     "done": "HTTP out: the reply read by the client",
     "forked": "child, after its answer: its state's holder forked",
