@@ -44,11 +44,14 @@ class Server(harness.Server):
         """DELETE."""
         return self.request("DELETE", path, **kw)
 
-    def execute(self, code, state="initial", new=None, exec_id=None, ok=True):
-        """POST /execute; with ok=True, assert the cell succeeded and return the answer."""
+    def execute(self, code, state="initial", new=None, exec_id=None, ok=True, cwd=None):
+        """POST /execute; with ok=True, assert the cell succeeded and return the answer.
+        `cwd`: the working directory of a cell run from `initial`."""
         body = {"code": code, "exec_id": exec_id or f"e{next(_ids)}", "state_name": state}
         if new is not None:
             body["new_state_name"] = new
+        if cwd is not None:
+            body["cwd"] = str(cwd)
         r = self.post("/execute", body)
         assert r.status_code == 200, r.text
         answer = r.json()

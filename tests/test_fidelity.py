@@ -117,9 +117,10 @@ def compare_cell(index, source, expected, actual, actual_error):
     return None
 
 
-def run_in_jupyter(paths, kernel_name="python3"):
-    """Execute notebooks through a kernel (ipykernel's by default), a few at once;
-    {path: [(source, outputs)]}."""
+def run_in_jupyter(paths, kernel_name="python3", slots=3, in_own_folder=False, timeout=120):
+    """Execute notebooks through a kernel (ipykernel's by default), `slots` at once;
+    {path: [(source, outputs)]}. Each runs in tests/, or with `in_own_folder` in the
+    notebook's folder (as Jupyter does)."""
     import asyncio
 
     from nbclient import NotebookClient
@@ -128,14 +129,15 @@ def run_in_jupyter(paths, kernel_name="python3"):
         """Run one notebook when a slot is free."""
         async with gate:
             nb = nbformat.read(path, as_version=4)
-            client = NotebookClient(nb, timeout=120, kernel_name=kernel_name, allow_errors=True,
-                                    resources={"metadata": {"path": HERE}})
+            folder = os.path.dirname(path) if in_own_folder else HERE
+            client = NotebookClient(nb, timeout=timeout, kernel_name=kernel_name,
+                                    allow_errors=True, resources={"metadata": {"path": folder}})
             await client.async_execute()
             return path, [(c.source, c.outputs) for c in nb.cells if c.cell_type == "code"]
 
     async def run_all():
-        """All notebooks, at most three kernels at a time."""
-        gate = asyncio.Semaphore(3)
+        """All notebooks, at most `slots` kernels at a time."""
+        gate = asyncio.Semaphore(slots)
         return dict(await asyncio.gather(*(one(p, gate) for p in paths)))
 
     # The kernels get Jupyter's own settings: the inline backend rather than the Agg a
@@ -159,9 +161,11 @@ def compare_notebook(jupyter_cells, run):
     return diffs
 
 
-def run_on_server(server):
-    """A runner that sends each cell to POST /execute, chaining states like a client."""
-    return lambda sources: [(a["output"], a["error"]) for a in cells.run(server, *sources)]
+def run_on_server(server, cwd=None):
+    """A runner that sends each cell to POST /execute, chaining states like a client
+    (from `initial` in the folder `cwd`, by default the server's)."""
+    return lambda sources: [(a["output"], a["error"])
+                            for a in cells.run(server, *sources, cwd=cwd)]
 
 
 @pytest.fixture(scope="module")
