@@ -19,6 +19,7 @@ timings the masks do not know) cannot match by any path: such a cell is counted 
 unstable, listed, and left out of the percentage. Each path must show at least 99% of
 the other cells identical (the issue's target); the summary of every path is printed
 (`-s` not needed) and, with CORPUS_REPORT=FILE, written with every mismatch as JSON.
+CORPUS_ONLY=TEXT limits the paths to the notebooks whose name contains TEXT.
 """
 
 import glob
@@ -41,6 +42,9 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 CORPUS = os.path.join(HERE, "corpus")
 NOTEBOOKS = sorted(os.path.relpath(p, CORPUS)
                    for p in glob.glob(os.path.join(CORPUS, "*", "*.ipynb")))
+# CORPUS_ONLY=TEXT runs the paths on the notebooks whose name contains TEXT (to look
+# into one notebook; the target then applies to those alone).
+SELECTED = [n for n in NOTEBOOKS if os.environ.get("CORPUS_ONLY", "") in n]
 TARGET = 0.99
 # A cell of the corpus may fit a model or solve a PDE on a loaded machine.
 CELL_TIMEOUT_S = 600
@@ -50,7 +54,7 @@ def copy_corpus(root):
     """A private copy of the corpus under `root` (notebooks write files where they run);
     {name: path of the copy}."""
     shutil.copytree(CORPUS, root, ignore=shutil.ignore_patterns("licenses", "*.md"))
-    return {name: os.path.join(root, name) for name in NOTEBOOKS}
+    return {name: os.path.join(root, name) for name in SELECTED}
 
 
 def split_error(outputs):

@@ -29,6 +29,9 @@ _MASKS = [
     # %timeit's warning when its runs vary 4-fold: timing noise, on either side.
     (re.compile(r"The slowest run took .* being cached\.\n?"), ""),
     (re.compile(r"T_[0-9a-f]{5}"), "T_?"),  # pandas Styler's random table id
+    # The wall clock in a statsmodels summary (text and HTML): "Time: 22:34:13".
+    (re.compile(r"\b(Time:(?:\s|</th>|<td>)*)\d\d:\d\d:\d\d"), r"\1?"),
+    (re.compile(r"\b(Date:(?:\s|</th>|<td>)*)\w{3}, \d\d \w{3} \d{4}"), r"\1?"),
     (re.compile(r"\r\n"), "\n"),
 ]
 
@@ -209,3 +212,7 @@ def test_comparison_catches_differences():
     a = dict(stream, text="<object at 0x7f00aa> Wall time: 1.2 ms\n")
     b = dict(stream, text="<object at 0x7f11bb> Wall time: 3 µs\n")
     assert compare_cell(0, "", [a], [b], None) is None
+    # ... and the wall clock a statsmodels summary prints.
+    c = dict(stream, text="Date:  Fri, 04 Dec 2026\nTime:  22:34:13\n")
+    d = dict(stream, text="Date:  Sat, 05 Dec 2026\nTime:  00:00:01\n")
+    assert compare_cell(0, "", [c], [d], None) is None
