@@ -25,7 +25,9 @@ _ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
 _MASKS = [
     (re.compile(r"\b0x[0-9a-fA-F]+"), "0x?"),
     (re.compile(r"(CPU times|Wall time):.*"), r"\1: ?"),
-    (re.compile(r".* per loop \(mean ± std\. dev\. of .*"), "? per loop"),
+    # Anchored at line starts: unanchored, `.*` retries from every position of a line, and
+    # a one-line output of megabytes (BokehJS, plotly.js) takes minutes.
+    (re.compile(r"^.* per loop \(mean ± std\. dev\. of .*", re.M), "? per loop"),
     # %timeit's warning when its runs vary 4-fold: timing noise, on either side.
     (re.compile(r"The slowest run took .* being cached\.\n?"), ""),
     (re.compile(r"T_[0-9a-f]{5}"), "T_?"),  # pandas Styler's random table id
