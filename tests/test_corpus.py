@@ -57,6 +57,12 @@ def copy_corpus(root):
     return {name: os.path.join(root, name) for name in SELECTED}
 
 
+def relocated(outputs, root):
+    """`outputs` with the folder of a private copy of the corpus written `<corpus>`: each
+    path runs its own copy, and a notebook may print where it runs."""
+    return json.loads(json.dumps(outputs).replace(root, "<corpus>"))
+
+
 def split_error(outputs):
     """(outputs without the error, the error as /execute reports it or None)."""
     rest, error = [], None
@@ -88,17 +94,19 @@ class Reference:
         copies = copy_corpus(os.path.join(root, "ipykernel"))
         runs = run_in_jupyter(list(copies.values()), slots=1, in_own_folder=True,
                               timeout=CELL_TIMEOUT_S)
-        self.cells = {name: runs[path] for name, path in copies.items()}
+        self.cells = {name: relocated(runs[path], os.path.join(root, "ipykernel"))
+                      for name, path in copies.items()}
         self.again = {}
 
     def unstable(self, name, index):
         """Whether ipykernel itself shows cell `index` of `name` differently run to run."""
         if name not in self.again:
-            path = os.path.join(self.root, f"ipykernel-again-{len(self.again)}", name)
+            copy = os.path.join(self.root, f"ipykernel-again-{len(self.again)}")
+            path = os.path.join(copy, name)
             os.makedirs(os.path.dirname(path))
             shutil.copy(os.path.join(CORPUS, name), path)
             run = run_in_jupyter([path], slots=1, in_own_folder=True, timeout=CELL_TIMEOUT_S)
-            self.again[name] = run[path]
+            self.again[name] = relocated(run[path], copy)
         source, first = self.cells[name][index]
         outputs, error = split_error(self.again[name][index][1])
         return compare_cell(index, source, first, outputs, error) is not None
@@ -107,10 +115,12 @@ class Reference:
 class Tally:
     """One path's comparison: counts, and each mismatching cell with its diff."""
 
-    def __init__(self, label, reference):
-        """An empty tally for the path `label`."""
+    def __init__(self, label, reference, root):
+        """An empty tally for the path `label`, which runs the copy of the corpus in
+        the folder `root`."""
         self.label = label
         self.reference = reference
+        self.root = str(root)
         self.cells = 0
         self.identical = 0
         self.unstable = []
@@ -120,6 +130,7 @@ class Tally:
         """Compare a notebook's `results` [(outputs, error)] with `expected_cells`
         [(source, outputs)], cell by cell."""
         assert len(results) == len(expected_cells), (name, len(results), len(expected_cells))
+        results = relocated(results, self.root)
         for index, ((source, expected), (outputs, error)) in enumerate(
                 zip(expected_cells, results)):
             self.cells += 1
@@ -156,6 +167,22 @@ class Tally:
             with open(path, "w") as f:
                 json.dump(report, f, indent=1)
         assert share >= TARGET, line + "\n\n" + "\n\n".join(self.mismatches)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def repository_kept_clean():
+    """Remove what the notebooks wrote into the repository folder. Cells should run in
+    their notebook's folder (a private copy); today /execute ignores `cwd` and `main.py
+    run` does not change folder, so workers run in the repository, and notebooks that
+    save files (mymodule.py, images/, df.csv, ...) would leave them in the checkout."""
+    before = set(os.listdir(ROOT))
+    yield
+    for name in set(os.listdir(ROOT)) - before:
+        path = os.path.join(ROOT, name)
+        if os.path.isdir(path) and not os.path.islink(path):
+            shutil.rmtree(path)
+        else:
+            os.remove(path)
 
 
 @pytest.fixture(scope="module")
@@ -222,7 +249,7 @@ def test_corpus_is_as_the_issue_asks():
 @pytest.mark.slow
 def test_execute_cell_by_cell(reference, server, tmp_path, capsys):
     """POST /execute, each cell from the state the previous good cell made."""
-    tally = Tally("execute", reference)
+    tally = Tally("execute", reference, tmp_path / "corpus")
     for name, path in copy_corpus(str(tmp_path / "corpus")).items():
         run = run_on_server(server, cwd=os.path.dirname(path))
         expected = reference.cells[name]
@@ -234,7 +261,7 @@ def test_execute_cell_by_cell(reference, server, tmp_path, capsys):
 def test_execute_with_a_restart_before_every_cell(reference, tmp_path, capsys):
     """POST /execute with the server stopped and started again before every cell: every
     cell runs in a state restored from the store."""
-    tally = Tally("restart", reference)
+    tally = Tally("restart", reference, tmp_path / "corpus")
     data = tmp_path / "store"
     for name, path in copy_corpus(str(tmp_path / "corpus")).items():
         expected = reference.cells[name]
@@ -279,14 +306,15 @@ def run_twice(tmp_path_factory):
     for name, path in copy_corpus(str(root / "corpus")).items():
         runs[name] = [run_command(path, f"{path[:-6]}.out{n}.ipynb", store)
                       for n in (1, 2)]
-    return runs
+    return str(root / "corpus"), runs
 
 
 @pytest.mark.slow
 def test_run_command(reference, run_twice, capsys):
     """`main.py run` shows what a Jupyter Run All that stops at the first error shows."""
-    tally = Tally("run", reference)
-    for name, runs in run_twice.items():
+    root, runs_of = run_twice
+    tally = Tally("run", reference, root)
+    for name, runs in runs_of.items():
         tally.compare(name, strict(reference.cells[name]), runs[0][2])
     tally.report(capsys)
 
@@ -295,9 +323,10 @@ def test_run_command(reference, run_twice, capsys):
 def test_second_run_reuses_every_cell_that_did_not_fail(reference, run_twice, capsys):
     """A second `main.py run` of each notebook runs nothing that succeeded the first
     time, and shows the same outputs."""
-    tally = Tally("run, again", reference)
+    root, runs_of = run_twice
+    tally = Tally("run, again", reference, root)
     not_reused = []
-    for name, ((_, first, _), (_, second, outputs)) in run_twice.items():
+    for name, ((_, first, _), (_, second, outputs)) in runs_of.items():
         for index, (before, after) in enumerate(zip(first, second)):
             if before in ("ran", "reused") and after != "reused":
                 not_reused.append(f"{name} cell {index}: {before}, then {after}")
@@ -314,7 +343,7 @@ def test_run_command_allow_errors(reference, tmp_path, capsys):
                             capture_output=True, text=True)
     if "--allow-errors" not in helped.stdout:
         pytest.skip("`main.py run` has no --allow-errors yet (issue 26: deliberate errors)")
-    tally = Tally("run --allow-errors", reference)
+    tally = Tally("run --allow-errors", reference, tmp_path / "corpus")
     store = str(tmp_path / "store")
     for name, path in copy_corpus(str(tmp_path / "corpus")).items():
         _, _, results = run_command(path, f"{path[:-6]}.out.ipynb", store, "--allow-errors")
@@ -325,7 +354,7 @@ def test_run_command_allow_errors(reference, tmp_path, capsys):
 @pytest.mark.slow
 def test_jupyter_kernel(reference, data_dir, tmp_path, capsys):  # noqa: F811
     """nbclient through this project's kernelspec, a notebook at a time."""
-    tally = Tally("jupyter", reference)
+    tally = Tally("jupyter", reference, tmp_path / "corpus")
     copies = copy_corpus(str(tmp_path / "corpus"))
     runs = run_in_jupyter(list(copies.values()), kernel_name=SPEC, slots=1,
                           in_own_folder=True, timeout=CELL_TIMEOUT_S)

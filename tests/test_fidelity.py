@@ -34,6 +34,16 @@ _MASKS = [
     # The wall clock in a statsmodels summary (text and HTML): "Time: 22:34:13".
     (re.compile(r"\b(Time:(?:\s|</th>|<td>)*)\d\d:\d\d:\d\d"), r"\1?"),
     (re.compile(r"\b(Date:(?:\s|</th>|<td>)*)\w{3}, \d\d \w{3} \d{4}"), r"\1?"),
+    # Ids that HTML reprs draw at random or from a per-process counter, to tie their
+    # elements together: BokehJS, xarray (UUIDs), Altair charts, scikit-learn estimators.
+    (re.compile(r"\b[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}\b"), "UUID"),
+    (re.compile(r"\baltair-viz-[0-9a-f]{32}\b"), "altair-viz-?"),
+    (re.compile(r"\bsk-(container|estimator)-id-\d+\b"), r"sk-\1-id-?"),
+    # The wall clock matplotlib writes into an SVG's metadata.
+    (re.compile(r"<dc:date>[^<]*</dc:date>"), "<dc:date>?</dc:date>"),
+    # Where a warning was raised: ipykernel's temporary file, our cell name (a difference
+    # kept on purpose, docs/fidelity.md).
+    (re.compile(r"\S*/ipykernel_\d+/\d+\.py|<cell In\[\d+\] [0-9-]+>"), "<cell>"),
     (re.compile(r"\r\n"), "\n"),
 ]
 
