@@ -14,14 +14,12 @@ def validated(answer):
     return answer
 
 
-def run(server, *cells, state="initial", cwd=None):
+def run(server, *cells, state="initial"):
     """Run `cells` one after the other, each from the state the previous successful one
-    made (a failed cell makes none); return their validated answers. `cwd`: the working
-    directory of a run from `initial` (the state carries it on)."""
+    made (a failed cell makes none); return their validated answers."""
     answers = []
     for code in cells:
-        answer = validated(server.execute(code, state, ok=False,
-                                          cwd=cwd if state == "initial" else None))
+        answer = validated(server.execute(code, state, ok=False))
         answers.append(answer)
         state = answer["state_name"] or state
     return answers

@@ -176,11 +176,9 @@ def compare_notebook(jupyter_cells, run):
     return diffs
 
 
-def run_on_server(server, cwd=None):
-    """A runner that sends each cell to POST /execute, chaining states like a client
-    (from `initial` in the folder `cwd`, by default the server's)."""
-    return lambda sources: [(a["output"], a["error"])
-                            for a in cells.run(server, *sources, cwd=cwd)]
+def run_on_server(server):
+    """A runner that sends each cell to POST /execute, chaining states like a client."""
+    return lambda sources: [(a["output"], a["error"]) for a in cells.run(server, *sources)]
 
 
 @pytest.fixture(scope="module")
