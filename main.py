@@ -79,6 +79,12 @@ def _run_options(p):
                    help="run through the server at URL instead (for a store a server holds)")
     p.add_argument("--token", default=os.environ.get("SNAPSHOT_KERNEL_TOKEN"),
                    help="with --server: its token (or SNAPSHOT_KERNEL_TOKEN)")
+    p.add_argument("--cwd", help="working directory of the cells (default: the notebook's "
+                                 "folder)")
+    p.add_argument("--allow-errors", action="store_true",
+                   help="go on past a failing cell (the cells after it see what it did "
+                        "before it raised), as nbclient's --allow-errors; cells tagged "
+                        "raises-exception may always fail")
     p.add_argument("--verbose", action="store_true", help="log the kernel to stderr")
     fresh = p.add_argument_group(
         "fresh runs", "--fresh: every cell from scratch in a new interpreter, within limits, "
@@ -89,8 +95,6 @@ def _run_options(p):
     fresh.add_argument("--timeout", type=float, help="whole-run deadline in seconds")
     fresh.add_argument("--cell-timeout", type=float,
                        help="longest run of one cell in seconds (0: none)")
-    fresh.add_argument("--cwd", help="working directory of the cells (default: the "
-                                     "notebook's)")
     fresh.add_argument("--env", action="extend", nargs="+", default=[], metavar="NAME",
                        help="pass this variable from the environment (must be set)")
     fresh.add_argument("--lock", help="a lock file whose hash and path the receipt records")
@@ -102,7 +106,7 @@ def _run_options(p):
 
 
 # The options of `run` that a fresh run does not take (it uses no store).
-_STORE_ONLY = ("rerun", "data_dir", "server")
+_STORE_ONLY = ("rerun", "data_dir", "server", "allow_errors")
 
 
 def _kernelspec_options(p):
@@ -133,7 +137,7 @@ def parse(argv):
 def _check_run(p, args):
     """Refuse options of the other kind of run; gather a fresh run's options in
     `args.fresh` (a FreshOptions, or None for an incremental run)."""
-    fresh_only = [n for n in FreshOptions.names() if n != "env"]
+    fresh_only = [n for n in FreshOptions.names(shared=False) if n != "env"]
     given = [n for n in (_STORE_ONLY if args.fresh else fresh_only + ["env"])
              if getattr(args, n) not in (None, [], False)]
     if args.fresh and args.order != "notebook":

@@ -192,13 +192,15 @@ class Client:
             body["new_state_name"] = new_name
         return self.call("POST", "/execute", body, timeout)
 
-    def execute_streamed(self, code, exec_id, state, new_name=None):
+    def execute_streamed(self, code, exec_id, state, new_name=None, cwd=None):
         """POST /execute with "stream": true: an iterator of its events,
         {"type": "output"|"clear_output", ...} as the cell makes them, then
-        {"type": "answer", "answer": {...}}."""
+        {"type": "answer", "answer": {...}}. `cwd`: the notebook's folder."""
         body = {"code": code, "exec_id": exec_id, "state_name": state, "stream": True}
         if new_name is not None:
             body["new_state_name"] = new_name
+        if cwd is not None:
+            body["cwd"] = cwd
         return self.events("/execute", body)
 
     def evaluate(self, code, state, exec_id, timeout=None):

@@ -10,6 +10,7 @@ tells nothing secret, but "only /health is open" is a rule easy to check.
 import copy
 import dataclasses
 
+from kernel import __version__
 from kernel.protocol import CELL_FIELDS, ORDERS, CellStatus, ExecuteAnswer, NotebookRun
 from kernel.server.registry import MAX_NAME_BYTES
 
@@ -37,6 +38,10 @@ _EXEC_ID = {"description": "Identifies the execution for /interrupt and 409 on r
             "oneOf": [{"type": "string"}, {"type": "integer"}]}
 
 _NAMES = {"type": "array", "items": {"type": "string"}}
+_CWD = {"type": "string", "nullable": True,
+        "description": "The notebook's folder (an absolute path on the server): the cell "
+                       "runs there, with the folder first on sys.path, unless an earlier "
+                       "cell of the state chose another; the states made from it keep it"}
 
 _CELL_ERROR = {
     "type": "object", "nullable": True,
@@ -121,7 +126,8 @@ _NOTEBOOK_RECORD = {
             "properties": {
                 "kind": {"type": "string", "enum": ["syntax_error", "cycle",
                                                     "double_definition",
-                                                    "foreign_assignment"]},
+                                                    "foreign_assignment",
+                                                    "no_error_raised"]},
                 "cells": _NAMES, "names": _NAMES, "message": {"type": "string"},
                 "line": {"type": "integer", "nullable": True},
                 "column": {"type": "integer", "nullable": True}}}},
@@ -177,7 +183,7 @@ def _name_param():
                             "drop dot segments); a slash, plain or as %2F, is part of it"}]
 
 
-def document(version="0.3.0"):
+def document(version=__version__):
     """The OpenAPI 3.0 document of every route (a new dict on each call)."""
     body_errors = (400, 401, 413)
     paths = {
@@ -187,7 +193,7 @@ def document(version="0.3.0"):
                                   "exec_id": _EXEC_ID,
                                   "state_name": _STATE_NAME,
                                   "new_state_name": dict(_STATE_NAME, nullable=True),
-                                  "stream": _STREAM},
+                                  "stream": _STREAM, "cwd": _CWD},
                                  ["exec_id", "state_name"]),
             "responses": _answer(_EXECUTE_ANSWER, "The cell's outputs and the new state's "
                                  "name; a missing input state is error StateNotFound",
@@ -223,7 +229,21 @@ def document(version="0.3.0"):
                     "parent": {"type": "string", "nullable": True},
                     "execution_count": {"type": "integer"},
                     "volatile_symbols": _NAMES, "live": {"type": "boolean"},
-                    "python": {"type": "string"}}}, "The state", (400, 401, 404))},
+                    "python": {"type": "string"},
+                    "cwd": {"type": "string", "description": "The folder its cells run in"},
+                    "context": dict(_NAMES, description="What the state keeps besides its "
+                                    "names (the random generators, library settings, "
+                                    "the environment...: README, \"What a state holds\")"),
+                    "unkept": dict(_NAMES, description="Attributes its cells set on modules "
+                                   "whose values could not be stored"),
+                    "local_modules": {"type": "object", "description": "Modules its cells "
+                                      "imported from files of their own",
+                                      "additionalProperties": {
+                                          "type": "object",
+                                          "properties": {"path": {"type": "string"},
+                                                         "sha256": {"type": "string"},
+                                                         "changed": {"type": "boolean"}}}}}},
+                    "The state", (400, 401, 404))},
             "delete": {
                 "summary": "Delete a state (`initial` cannot be deleted: 409)",
                 "parameters": _name_param(),
@@ -290,6 +310,11 @@ def document(version="0.3.0"):
                                           "even if nothing changed"),
                 "exec_id": dict(_EXEC_ID, nullable=True),
                 "stream": _NOTEBOOK_STREAM,
+                "allow_errors": {"type": "boolean", "nullable": True,
+                                 "description": "Go on past a failing cell (nbclient's "
+                                                "allow_errors): it is failed, and the cells "
+                                                "after it see what it did before it raised. "
+                                                "Not for fresh runs"},
                 "fresh": {"type": "boolean", "nullable": True,
                           "description": "Run every cell from scratch in a new interpreter, "
                                          "within limits, keeping no state; the answer adds "
@@ -303,9 +328,9 @@ def document(version="0.3.0"):
                 "env": dict(_NAMES, nullable=True,
                             description="Variables of the server's environment passed to the "
                                         "run (must be set; no secrets)"),
-                "cwd": {"type": "string", "nullable": True,
-                        "description": "Absolute working directory (default: a temporary "
-                                       "folder)"},
+                "cwd": dict(_CWD, description="The notebook's folder, absolute: the cells run "
+                                              "there (a fresh run's default: a temporary "
+                                              "folder)"),
                 "expected_environment": {
                     "type": "string", "nullable": True, "pattern": "^[0-9a-f]{64}$",
                     "description": "Refuse to run unless the kernel's environment SHA-256 "

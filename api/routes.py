@@ -255,13 +255,14 @@ def notebook_request(data):
     """The NotebookRequest of a checked POST /notebooks/run body; BadRequest for
     options of the other kind of run."""
     if data.get("fresh"):
-        wrong = [k for k in NotebookRequest.INCREMENTAL_ONLY if data.get(k) is not None]
+        wrong = [k for k in NotebookRequest.INCREMENTAL_ONLY if data.get(k) not in (None, False)]
         if wrong:
             raise BadRequest(f"{', '.join(wrong)}: not for a fresh run")
         fresh = FreshOptions(**{k: data[k] for k in FreshOptions.names(command=False)
                                 if data.get(k) is not None})
     else:
-        wrong = [k for k in FreshOptions.names(command=False) if data.get(k) is not None]
+        wrong = [k for k in FreshOptions.names(command=False, shared=False)
+                 if data.get(k) is not None]
         if wrong:
             raise BadRequest(f'{", ".join(wrong)}: only for a fresh run ("fresh": true)')
         fresh = None
@@ -270,7 +271,8 @@ def notebook_request(data):
              for n, c in enumerate(data["cells"])]
     return NotebookRequest(data["notebook"], cells, order=data.get("order") or "notebook",
                            rerun=data.get("rerun") or [], exec_id=data.get("exec_id"),
-                           fresh=fresh)
+                           fresh=fresh, cwd=data.get("cwd"),
+                           allow_errors=bool(data.get("allow_errors")))
 
 
 def _cell_line(cell):
@@ -286,7 +288,8 @@ def execute():
     data = body("/execute")
     return answered(lambda on_output: service.registry.execute(
         data.get("code") or "", data["exec_id"], data["state_name"],
-        data.get("new_state_name"), on_output=on_output), data.get("stream"))
+        data.get("new_state_name"), on_output=on_output, cwd=data.get("cwd")),
+        data.get("stream"))
 
 
 @route("POST", "/multistate_execute")

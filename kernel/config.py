@@ -1,10 +1,12 @@
-"""Configuration: the defaults in config.toml, overridden by a user file and flags."""
+"""Configuration: the defaults in kernel/config.toml, overridden by a user file and flags."""
 
+import importlib.resources
 import os
 import tomllib
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-DEFAULT_FILE = os.path.join(ROOT, "config.toml")
+# Settings that name a file or folder: a relative one is resolved where it was given.
+PATH_SETTINGS = ("server.data_dir", "server.log_file", "server.certfile", "server.keyfile",
+                 "server.trace_file")
 
 
 class ConfigError(ValueError):
@@ -22,25 +24,45 @@ def _read(path):
         raise ConfigError(f"config file {path} is not valid TOML: {exc}") from None
 
 
+def defaults_text():
+    """The text of the defaults file, config.toml in this package (installed with it)."""
+    return importlib.resources.files(__package__).joinpath("config.toml").read_text("utf-8")
+
+
+def default_data_dir():
+    """The store used when none is configured: snapshot-kernel/store in the user's data
+    folder ($XDG_DATA_HOME, else ~/.local/share; a relative XDG_DATA_HOME is ignored,
+    as the XDG Base Directory specification says)."""
+    base = os.environ.get("XDG_DATA_HOME", "")
+    if not os.path.isabs(base):
+        base = os.path.join(os.path.expanduser("~"), ".local", "share")
+    return os.path.join(base, "snapshot-kernel", "store")
+
+
 def load(path=None, overrides=None):
     """Return the flat configuration {section.key: value}.
 
-    Defaults come from the repository's config.toml; `path` overrides a
-    subset; `overrides` ({"section.key": value}) wins over both. Unknown keys
-    and values of the wrong type are refused, so a typo never goes unnoticed.
+    Defaults come from the package's config.toml; `path` overrides a subset;
+    `overrides` ({"section.key": value}) wins over both. Unknown keys and
+    values of the wrong type are refused, so a typo never goes unnoticed.
+    A relative path setting is relative to the folder of the file that gave
+    it, or to the working directory when given in `overrides`; an empty
+    server.data_dir is default_data_dir().
     """
-    defaults = _read(DEFAULT_FILE)
+    defaults = tomllib.loads(defaults_text())
     flat = {f"{s}.{k}": v for s, table in defaults.items() for k, v in table.items()}
+    base = {}  # path setting -> the folder its relative value is relative to
     layers = []
     if path:
         user = _read(path)
-        layers.append((path, {f"{s}.{k}": v for s, t in user.items()
-                              if isinstance(t, dict) for k, v in t.items()}))
+        layers.append((path, os.path.dirname(os.path.abspath(path)),
+                       {f"{s}.{k}": v for s, t in user.items()
+                        if isinstance(t, dict) for k, v in t.items()}))
         bad = [s for s, t in user.items() if not isinstance(t, dict)]
         if bad:
             raise ConfigError(f"{path}: top-level key(s) {bad} must be inside a [section]")
-    layers.append(("command line", overrides or {}))
-    for origin, layer in layers:
+    layers.append(("command line", os.getcwd(), overrides or {}))
+    for origin, folder, layer in layers:
         for key, value in layer.items():
             if key not in flat:
                 raise ConfigError(f"{origin}: unknown setting {key!r}")
@@ -50,6 +72,7 @@ def load(path=None, overrides=None):
             if type(value) is not want:
                 raise ConfigError(f"{origin}: {key} must be {want.__name__}, not {value!r}")
             flat[key] = value
+            base[key] = folder
     if flat["store.durability"] not in ("sync", "async"):
         raise ConfigError("store.durability must be 'sync' or 'async'")
     if flat["store.remote"]:
@@ -58,10 +81,11 @@ def load(path=None, overrides=None):
         raise ConfigError("workers.spare_after_quiet_s must be 0 or more")
     if flat["display.figure_format"] not in ("png", "svg", "retina"):
         raise ConfigError("display.figure_format must be 'png', 'svg' or 'retina'")
-    data_dir = flat["server.data_dir"]
-    if not os.path.isabs(data_dir):
-        base = os.path.dirname(os.path.abspath(path)) if path else ROOT
-        flat["server.data_dir"] = os.path.join(base, data_dir)
+    for key in PATH_SETTINGS:
+        if flat[key] and not os.path.isabs(flat[key]):
+            flat[key] = os.path.join(base.get(key, os.getcwd()), flat[key])
+    if not flat["server.data_dir"]:
+        flat["server.data_dir"] = default_data_dir()
     return flat
 
 

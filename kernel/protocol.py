@@ -65,7 +65,15 @@ class Execute(NamedTuple):
     `keep_live` False: the new state gets no holder; the child that made it
     stays as its only process, for the next cell (a notebook run's
     intermediate state), and once that is taken the state is restored from
-    the store when run from again.
+    the store when run from again. `home`: the notebook's folder; a state
+    whose lineage started elsewhere (or nowhere) moves there first (the cell
+    runs in it unless an earlier cell of the lineage chose another folder).
+    `fresh_imports` (notebook runs): a module of the user's files that
+    changed since this process imported it is imported anew by the cell, as
+    in a clean Run All (a live kernel would keep the old one).
+    `keep_on_error` (notebook runs that go on past a failing cell): a cell
+    that raises still stores its state, what it did before it raised, as a
+    live kernel keeps it; the answer carries the error and the state.
     """
     code: str
     new_name: str
@@ -73,6 +81,9 @@ class Execute(NamedTuple):
     exec_id: str | None = None
     stream: bool = False
     keep_live: bool = True
+    home: str | None = None
+    fresh_imports: bool = False
+    keep_on_error: bool = False
 
     def failed(self, error):
         """The result that reports `error` for this request."""
@@ -202,6 +213,7 @@ class CellStatus(enum.StrEnum):
     RAN = "ran"
     REUSED = "reused"      # its stored result stands; incremental runs only
     FAILED = "failed"
+    FAILED_AS_EXPECTED = "failed_as_expected"  # tagged raises-exception, and raised
     BLOCKED = "blocked"    # a static error, or a cell it needs failed
     NOT_RUN = "not_run"    # the run stopped before it
     SKIPPED = "skipped"    # tagged no-execute or skip-execution; fresh runs only
@@ -212,12 +224,16 @@ class CellStatus(enum.StrEnum):
 FRESH_STATUSES = (CellStatus.RAN, CellStatus.FAILED, CellStatus.SKIPPED, CellStatus.EMPTY,
                   CellStatus.NOT_RUN)
 # A cell with one of these holds a stored result (its outputs live there).
-WITH_RESULT = (CellStatus.RAN, CellStatus.REUSED)
+WITH_RESULT = (CellStatus.RAN, CellStatus.REUSED, CellStatus.FAILED_AS_EXPECTED)
 ORDERS = ("notebook", "dataflow")
 # Tags that make a fresh run skip a cell, as nbclient's users tag them.
 SKIP_TAGS = ("no-execute", "skip-execution")
-# The metadata of a FreshOptions field that only the command takes.
+# The tag of a cell that may raise without stopping a run (nbclient's, papermill's).
+RAISES_TAG = "raises-exception"
+# The metadata of a FreshOptions field that only the command takes, and of one that
+# incremental runs take too.
 COMMAND_ONLY = {"command_only": True}
+SHARED = {"shared": True}
 
 
 def now():
@@ -251,6 +267,12 @@ class NotebookCell:
         """True when the cell is tagged to be skipped (fresh runs honour it)."""
         return bool(set(self.tags) & set(SKIP_TAGS))
 
+    @property
+    def may_raise(self):
+        """True when the cell is tagged raises-exception: an incremental run goes on
+        past its error (a fresh run does not)."""
+        return RAISES_TAG in self.tags
+
     def to_json(self):
         """The cell as answers and records show it."""
         return {f: getattr(self, f) for f in CELL_FIELDS}
@@ -276,7 +298,7 @@ class FreshOptions:
     timeout: float | None = None  # the whole run's deadline, s (fresh.timeout_s)
     cell_timeout: float | None = None  # one cell's, s; 0 = none (fresh.cell_timeout_s)
     env: list = field(default_factory=list)  # names passed from the caller's environment
-    cwd: str | None = None  # the cells' working directory
+    cwd: str | None = field(default=None, metadata=SHARED)  # the cells' working directory
     expected_environment: str | None = None  # the environment SHA-256 the kernel must have
     receipt: str | None = field(default=None, metadata=COMMAND_ONLY)  # where it goes
     lock: str | None = field(default=None, metadata=COMMAND_ONLY)  # a lock file to record
@@ -284,9 +306,12 @@ class FreshOptions:
     keep_states: str | None = field(default=None, metadata=COMMAND_ONLY)  # a store folder
 
     @classmethod
-    def names(cls, command=True):
-        """The options' names (without `command`: only those the API takes too)."""
-        return [f.name for f in dataclasses.fields(cls) if command or not f.metadata]
+    def names(cls, command=True, shared=True):
+        """The options' names (without `command`: only those the API takes too; without
+        `shared`: only those incremental runs do not take)."""
+        return [f.name for f in dataclasses.fields(cls)
+                if (command or not f.metadata.get("command_only"))
+                and (shared or not f.metadata.get("shared"))]
 
 
 @dataclass
@@ -294,8 +319,11 @@ class NotebookRequest:
     """A run of a notebook's code cells: POST /notebooks/run's body, or the command's.
 
     `notebook` names it (the command: the file's absolute path); `cells`
-    are NotebookCell with id, source, index and tags. `order` and `rerun`
-    are for incremental runs; `fresh` (FreshOptions) makes it a fresh run.
+    are NotebookCell with id, source, index and tags; `cwd` the notebook's
+    folder, where the cells run (a fresh run takes it as `fresh.cwd`).
+    `order`, `rerun` and `allow_errors` (go on past a failing cell, as
+    nbclient's allow_errors does) are for incremental runs; `fresh`
+    (FreshOptions) makes it a fresh run.
     """
     notebook: str
     cells: list
@@ -303,9 +331,11 @@ class NotebookRequest:
     rerun: list = field(default_factory=list)
     exec_id: str | None = None
     fresh: FreshOptions | None = None
+    cwd: str | None = None
+    allow_errors: bool = False
 
     # Options an incremental run takes and a fresh run does not.
-    INCREMENTAL_ONLY = ("order", "rerun", "exec_id")
+    INCREMENTAL_ONLY = ("order", "rerun", "exec_id", "allow_errors")
 
 
 @dataclass

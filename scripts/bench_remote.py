@@ -3,7 +3,7 @@
     python scripts/bench_remote.py [--runs N] [--restore-mb MB] [--dedup-mb MB]
 
 Starts moto's S3 server on a loopback port (tests/s3_server.py) and
-servers through tests/conftest.py's Server (needs the test extra), then:
+servers through scripts/harness.py (needs the test extra), then:
 
 - a trivial cell (`x += 1` on a state of one int): no remote, remote with
   durability "sync", remote with "async" (client round trips, median);
@@ -23,16 +23,32 @@ import argparse
 import os
 import re
 import statistics
-import sys
 import tempfile
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(ROOT, "tests"))
+import requests
 
-from conftest import S3, Server  # noqa: E402
+import harness
+from harness import S3
 
 MB = 10 ** 6
+
+
+class Server(harness.Server):
+    """harness's server, with cells sent as the tests send them (requests)."""
+
+    def execute(self, code, state="initial", new=None):
+        """POST /execute; the answer of a cell that must succeed."""
+        body = {"code": code, "exec_id": f"e{time.monotonic_ns()}", "state_name": state}
+        if new is not None:
+            body["new_state_name"] = new
+        r = requests.post(self.url + "/execute", params={"token": self.token}, json=body,
+                          timeout=120)
+        r.raise_for_status()
+        answer = r.json()
+        if answer["error"] is not None:
+            raise RuntimeError(f"the cell failed: {answer['error']}")
+        return answer
 
 
 def started(data, config):

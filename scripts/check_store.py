@@ -1,20 +1,25 @@
 """Verify a snapshot-kernel store: every manifest's blobs exist and are intact.
 
-Run from the repository root (a server may keep running meanwhile: the
-store is opened read-only, and LMDB lets readers work beside the writer):
+Run from a checkout with the package installed (`pip install -e .`; a server
+may keep running meanwhile: the store is opened read-only, and LMDB lets
+readers work beside the writer):
 
     python scripts/check_store.py [--data-dir DIR]
     python scripts/check_store.py --remote [--config FILE]
 
-It first checks that `data.mdb` holds every page its last transaction
-uses (a file cut short is reported, not mapped: mapping it would crash
-with SIGBUS). For every state it checks that the manifest parses and that
-each blob its alias groups refer to (payload and out-of-band buffers) is in
-the store. Every blob in the store is then read as the server reads it
-(its checksum verified, decompressed) and hashed: its SHA-256 must equal
-its key. A corrupt blob is an error even when no state refers to it,
-because blobs are content-addressed and written once: a later state with
-the same value would reuse the damaged copy. Blobs no state refers to are
+It first walks, with plain reads, every B-tree of `data.mdb` that its
+last transaction uses and checks that each page they reference lies in
+the file and is a page of that tree (storage/lmdbfile.py): a file cut
+short is reported with every page missing, not mapped (mapping it would
+crash with SIGBUS). Its length alone proves nothing: LMDB leaves pages
+it allocated but never wrote off the end of a healthy file. For every
+state it checks that the manifest parses and that each blob its alias
+groups refer to (payload and out-of-band buffers) is in the store. Every
+blob in the store is then read as the server reads it (its checksum
+verified, decompressed) and hashed: its SHA-256 must equal its key. A
+corrupt blob is an error even when no state refers to it, because blobs
+are content-addressed and written once: a later state with the same
+value would reuse the damaged copy. Blobs no state refers to are
 reported as information (scripts/gc_states.py removes them).
 
 With --remote it checks the S3-compatible store of `store.remote` the same
@@ -23,25 +28,23 @@ of the local one; servers may keep running meanwhile.
 
 Exit status: 0 the store is sound, 1 problems were found (each printed as
 state, group members, blob key, problem) or the store cannot be opened
-(a truncated file among them), 2 bad arguments or no store at that path.
+(a truncated file among them; nothing is changed), 2 bad arguments or no
+store at that path.
 """
 
+import argparse
+import hashlib
 import os
+import shlex
 import sys
+import time
 
-# Run as `python scripts/check_store.py`: make `storage` and `kernel` importable.
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if ROOT not in sys.path:
-    sys.path.insert(0, ROOT)
+import lmdb
 
-import argparse  # noqa: E402
-import hashlib  # noqa: E402
-
-import lmdb  # noqa: E402
-
-from kernel import config as config_mod  # noqa: E402
-from storage.remote import RemoteStore  # noqa: E402
-from storage.store import Store, StoreCorrupt, StoreError, decode_manifest  # noqa: E402
+from kernel import config as config_mod
+from storage import lmdbfile
+from storage.remote import RemoteStore
+from storage.store import Store, StoreCorrupt, StoreError, decode_manifest
 
 DATA_FILE = "data.mdb"
 _LISTED = 20  # unreferenced blobs listed by key; the rest are only counted
@@ -122,6 +125,12 @@ def group_refs(name, manifest, problems):
                 problems.append((name, label, str(key), f"{role} key is not a SHA-256 hex"))
             else:
                 refs.append((label, role, key))
+    for provider, key in (manifest.get("context") or {}).items():
+        if not _is_key(key):
+            problems.append((name, "-", str(key), f"context {provider} key is not a SHA-256 "
+                                                  f"hex"))
+        else:
+            refs.append(("-", f"context {provider}", key))
     return refs
 
 
@@ -218,8 +227,10 @@ def main(argv=None):
         print(f"check_store.py: error: no store at {data_dir} (no {DATA_FILE} there); "
               f"pass --data-dir", file=sys.stderr)
         return 2
+    if not check_data_file(data_dir):
+        return 1
     try:
-        store = Store(data_dir)
+        store = Store(data_dir, checked=True)  # walked just now
     except StoreError as exc:
         print(f"check_store.py: error: {exc}", file=sys.stderr)
         return 1
@@ -230,6 +241,50 @@ def main(argv=None):
         return 1
     finally:
         store.env.close()
+
+
+def check_data_file(data_dir, out=print):
+    """Walk the trees of the data file and print what was found. False (the findings
+    on stderr) when they use pages the file lacks, or lead to pages not theirs."""
+    started = time.perf_counter()
+    try:
+        found = lmdbfile.walk(data_dir)
+    except lmdbfile.DataFileError as exc:  # not even the two meta pages
+        report_damage(data_dir, str(exc), [])
+        return False
+    except OSError as exc:
+        print(f"check_store.py: error: cannot read {data_dir}: {exc}", file=sys.stderr)
+        return False
+    if found is None:
+        return True  # not an LMDB file of this format: opening it gives LMDB's own message
+    took = (time.perf_counter() - started) * 1000
+    pages = sum(sum(counts[:2]) for counts in found.pages.values())
+    out(f"{DATA_FILE}: {pages} tree page(s) of {len(found.pages)} tree(s) read in "
+        f"{took:.0f} ms; the pages in use end at page {found.highest}, the file holds "
+        f"{found.file_pages()} page(s) of {found.meta.page_size} bytes (transaction "
+        f"{found.meta.txnid})")
+    problem = lmdbfile.describe(found, os.path.join(data_dir, DATA_FILE))
+    if problem is None:
+        return True
+    report_damage(data_dir, problem, found.beyond + found.damaged)
+    return False
+
+
+def report_damage(data_dir, problem, findings):
+    """Print (stderr) that the data file is damaged, every finding, and what to do."""
+    print(f"check_store.py: error: the store at {data_dir} is damaged: {problem}. It was "
+          f"not opened (LMDB would crash on it) and is left as it is.", file=sys.stderr)
+    if findings:
+        print(f"{len(findings)} page reference(s) that cannot be followed:", file=sys.stderr)
+        for finding in findings[:_LISTED]:
+            where = "" if finding.problem else " lies beyond the end of the file"
+            print(f"  {finding}{where}", file=sys.stderr)
+        if len(findings) > _LISTED:
+            print(f"  ... and {len(findings) - _LISTED} more", file=sys.stderr)
+    backup = shlex.quote(data_dir + ".bak")
+    print(f"Before trying anything on it, keep a copy: cp -a {shlex.quote(data_dir)} "
+          f"{backup}. Then restore {DATA_FILE} from a backup if you have one.",
+          file=sys.stderr)
 
 
 def check_remote(settings):

@@ -11,7 +11,8 @@ runs `--clients` threads that each execute a chain of cells (small and
 start-up, before any answer). Then it checks, and the round survives only
 if all hold:
 
-- every worker process of the killed server is gone within 10 s;
+- every worker process of the killed server is gone within 60 s (a generous
+  deadline for a loaded machine: they go within milliseconds);
 - `scripts/check_store.py` passes (every manifest's blobs present and intact);
 - on the restarted server, every state whose execution was answered, in
   any round so far, is listed; every state of this round (answered or not:
@@ -154,7 +155,7 @@ def main(argv=None):
         answered_all.update(answered)
         asked_all.update(asked)
         problems = []
-        deadline = time.monotonic() + 10
+        deadline = time.monotonic() + 60
         while any(alive(w) for w in workers) and time.monotonic() < deadline:
             time.sleep(0.05)
         leaked = [w for w in workers if alive(w)]

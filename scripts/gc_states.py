@@ -1,6 +1,7 @@
 """Delete states by rule, then the blobs no state references; optionally compact.
 
-Run from the repository root, with no server running on the store:
+Run from a checkout with the package installed (`pip install -e .`), with no
+server running on the store:
 
     python scripts/gc_states.py [--data-dir DIR] [RULES] [--dry-run] [--compact]
     python scripts/gc_states.py --remote [--config FILE] [RULES] [--grace AGE] [--dry-run]
@@ -49,26 +50,20 @@ the local store (--data-dir, or server.data_dir) need are kept; each server
 keeps its own records, so --notebooks-older-than does not apply to --remote.
 """
 
+import argparse
+import datetime
+import fnmatch
 import os
+import re
+import shutil
 import sys
 
-# Run as `python scripts/gc_states.py`: make `storage` and `kernel` importable.
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if ROOT not in sys.path:
-    sys.path.insert(0, ROOT)
+import lmdb
 
-import argparse  # noqa: E402
-import datetime  # noqa: E402
-import fnmatch  # noqa: E402
-import re  # noqa: E402
-import shutil  # noqa: E402
-
-import lmdb  # noqa: E402
-
-from kernel import config as config_mod  # noqa: E402
-from storage.notebooks import NotebookStore  # noqa: E402
-from storage.remote import NameConflict, RemoteStore  # noqa: E402
-from storage.store import Store, StoreError, StoreHeld, claim_store  # noqa: E402
+from kernel import config as config_mod
+from storage.notebooks import NotebookStore
+from storage.remote import NameConflict, RemoteStore
+from storage.store import Store, StoreError, StoreHeld, claim_store
 
 INITIAL = "initial"
 DATA_FILE = "data.mdb"

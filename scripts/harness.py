@@ -1,11 +1,14 @@
 """Starting servers and describing the run: shared by the scripts and the tests.
 
-scripts/bench.py, load.py and faults.py import it as `harness` (a script's
-own folder is first on its sys.path); tests/conftest.py puts this folder on
-sys.path and builds its fixtures on `Server`. Requests go through the
-server's own client (api/client.py).
+scripts/bench.py, load.py, faults.py and bench_remote.py import it as
+`harness` (a script's own folder is first on its sys.path); the tests find it
+through pytest's `pythonpath` (pyproject.toml) and build their fixtures on
+`Server` and `S3`. Requests go through the server's own client
+(api/client.py); `S3` imports boto3 when made (the test extra). `Server`
+runs this checkout's main.py.
 """
 
+import itertools
 import os
 import platform
 import signal
@@ -16,12 +19,10 @@ import time
 
 import psutil
 
+from api.client import Client, ServerError
+
+# The checkout: where main.py and the git history are.
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if ROOT not in sys.path:
-    sys.path.insert(0, ROOT)
-
-from api.client import Client, ServerError  # noqa: E402
-
 TOKEN = "test-token"
 
 
@@ -40,8 +41,9 @@ class ServerProcess:
     """
 
     def __init__(self, argv, port, log_path, cwd=ROOT, token=TOKEN, wait=True, poll_s=0.05,
-                 timeout=60):
-        """Start `argv`; with `wait`, return once it answers HTTP."""
+                 timeout=60, env=None):
+        """Start `argv` (in environment `env`, default this one's); with `wait`, return
+        once it answers HTTP."""
         self.port = port
         self.url = f"http://127.0.0.1:{port}"
         self.token = token
@@ -52,7 +54,7 @@ class ServerProcess:
         self.client = Client(self.url, token, token_in_query=True)
         self.started = time.perf_counter()
         self.proc = subprocess.Popen(argv, cwd=cwd, stdout=self.log, stderr=self.log,
-                                     stdin=subprocess.DEVNULL)
+                                     stdin=subprocess.DEVNULL, env=env)
         self.up_s = None
         if wait:
             try:
@@ -145,6 +147,80 @@ def alive(pid):
         return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
     except psutil.Error:
         return False
+
+
+class S3:
+    """moto's S3 server (tests/s3_server.py) on a loopback port, for the remote store
+    (the tests' fixture and scripts/bench_remote.py; needs the test extra)."""
+
+    _buckets = itertools.count()
+
+    def __init__(self, log_path):
+        """Start it and wait until it answers."""
+        import boto3
+        self.port = free_port()
+        self.endpoint = f"http://127.0.0.1:{self.port}"
+        self.log_path = str(log_path)
+        self.log = open(self.log_path, "ab")
+        self.proc = subprocess.Popen([sys.executable, "tests/s3_server.py", str(self.port)],
+                                     cwd=ROOT, stdout=self.log, stderr=self.log,
+                                     stdin=subprocess.DEVNULL)
+        self.client = boto3.client("s3", endpoint_url=self.endpoint, region_name="us-east-1")
+        from botocore.exceptions import EndpointConnectionError
+        deadline = time.monotonic() + 120
+        while True:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"moto's S3 server exited: see {self.log_path}")
+            try:
+                self.client.list_buckets()
+                return
+            except EndpointConnectionError:  # not listening yet: nothing else is excused
+                if time.monotonic() > deadline:
+                    raise RuntimeError("moto's S3 server did not come up in 120 s") from None
+                time.sleep(0.05)
+
+    def bucket(self):
+        """A new empty bucket's name."""
+        name = f"bucket-{next(self._buckets)}"
+        self.client.create_bucket(Bucket=name)
+        return name
+
+    def config(self, bucket, durability="sync", extra="", timeout_s=10.0):
+        """A config.toml for a server on s3://BUCKET/states: one try per request, a
+        look at the names on every request, and waits for the remote long enough for
+        a loaded machine (moto is a Python server: an 8 MB blob under load took over
+        the 1 s timeout this had, and the names a look slower than remote_list_wait_s
+        found came a request late). A paused remote is noticed after `timeout_s`: the
+        tests that pause it make that shorter (their requests while it runs are small)."""
+        return (f'[store]\nremote = "s3://{bucket}/states"\n'
+                f'remote_endpoint = "{self.endpoint}"\ndurability = "{durability}"\n'
+                f"remote_refresh_s = 0.0\nremote_timeout_s = {timeout_s}\n"
+                f"remote_attempts = 1\nremote_list_wait_s = 30.0\nremote_retry_s = 0.2\n"
+                f"{extra}")
+
+    def objects(self, bucket, under):
+        """{key below `under`: object listing entry} of a bucket."""
+        found = {}
+        for page in self.client.get_paginator("list_objects_v2").paginate(
+                Bucket=bucket, Prefix=f"states/{under}/"):
+            for item in page.get("Contents", []):
+                found[item["Key"].rsplit("/", 1)[1]] = item
+        return found
+
+    def pause(self):
+        """Stop answering (SIGSTOP): requests hang until they time out."""
+        self.proc.send_signal(signal.SIGSTOP)
+
+    def resume(self):
+        """Answer again (SIGCONT)."""
+        self.proc.send_signal(signal.SIGCONT)
+
+    def stop(self):
+        """Kill the server."""
+        self.resume()
+        self.proc.kill()
+        self.proc.wait()
+        self.log.close()
 
 
 def machine():

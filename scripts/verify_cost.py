@@ -1,6 +1,6 @@
 """What verifying every blob costs a restore of a 1 GiB state (BENCHMARKS.md).
 
-Run from the repository root:
+Run from a checkout with the package installed (`pip install -e .`):
 
     python scripts/verify_cost.py [--gib 1] [--runs 5] [--dir DIR]
 
@@ -14,24 +14,18 @@ restore (snapshot.load_group) of both. Times are CPU seconds of this process, th
 --runs, so other jobs on the machine disturb them less than wall time.
 """
 
+import argparse
 import os
 import sys
+import tempfile
+import time
 
-# Run as `python scripts/verify_cost.py`: make `storage` importable.
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if ROOT not in sys.path:
-    sys.path.insert(0, ROOT)
+import numpy as np
+import zstandard
 
-import argparse  # noqa: E402
-import tempfile  # noqa: E402
-import time  # noqa: E402
-
-import numpy as np  # noqa: E402
-import zstandard  # noqa: E402
-
-from kernel import config as config_mod  # noqa: E402
-from storage import snapshot  # noqa: E402
-from storage.store import Store  # noqa: E402
+from kernel import config as config_mod
+from storage import snapshot
+from storage.store import Store
 
 
 def unverified(store, key):

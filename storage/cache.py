@@ -68,9 +68,9 @@ def _time(value):
 class CachedStore(Store):
     """An LMDB store that reads and writes through to a remote store."""
 
-    def __init__(self, path, settings):
-        """Open the LMDB cache at `path` for the remote of `settings`."""
-        super().__init__(path, settings)
+    def __init__(self, path, settings, checked=False):
+        """Open the LMDB cache at `path` for the remote of `settings` (`checked`: as Store)."""
+        super().__init__(path, settings, checked)
         self.remote = RemoteStore(settings["store.remote"], settings["store.remote_endpoint"],
                                   settings)
         self.book = self.env.open_db(b"remote", create=not self.readonly)

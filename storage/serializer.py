@@ -127,9 +127,14 @@ class _GroupPickler(cloudpickle.Pickler):
         self._class_tag = class_tag
         self._min_buffer = min_buffer
         self._ndarray = getattr(sys.modules.get("numpy"), "ndarray", None)
+        self._dtype = getattr(sys.modules.get("numpy"), "dtype", None)
         arrays = sys.modules.get("pandas.arrays")
         self._arrow_array = getattr(arrays, "ArrowExtensionArray", None)
         self._arrow_buffer = getattr(sys.modules.get("pyarrow"), "Buffer", None)
+        wrappers = sys.modules.get("bokeh.core.property.wrappers")
+        self._bokeh_containers = tuple(
+            getattr(wrappers, name) for name in ("PropertyValueDict", "PropertyValueList")
+            if hasattr(wrappers, name))
 
     def reducer_override(self, obj):
         """Reduce cell functions, notebook classes, numpy views and Arrow-backed pandas
@@ -144,6 +149,11 @@ class _GroupPickler(cloudpickle.Pickler):
             _track_class(obj, self._class_tag)
         elif (reduced := canonical.reduce(obj)) is not None:
             return reduced
+        elif self._dtype is not None and isinstance(obj, self._dtype) and obj.isbuiltin == 1:
+            # A builtin dtype by its name: loaded, it is numpy's own object again (numpy
+            # pickles a copy), so arrays restored from one state share it as the live
+            # ones did, and pickle to the same bytes (the same symbol hashes).
+            return (self._dtype, (obj.str,))
         elif self._ndarray is not None and type(obj) is self._ndarray:
             reduced = _view_reduce(obj, self._ndarray) or _datetime_reduce(obj)
             if reduced is not None:
@@ -154,7 +164,19 @@ class _GroupPickler(cloudpickle.Pickler):
                 return arrow
         elif self._arrow_buffer is not None and isinstance(obj, self._arrow_buffer):
             return _arrow_buffer_reduce(obj, self._min_buffer)
+        elif self._bokeh_containers and isinstance(obj, self._bokeh_containers):
+            items = dict(obj) if isinstance(obj, dict) else list(obj)
+            return (_container, (type(obj), items), dict(obj.__dict__))
         return super().reducer_override(obj)
+
+
+def _container(cls, items):
+    """A dict or list subclass holding `items`, made without its own __init__,
+    __setitem__ or extend: bokeh's property containers need their state (restored
+    after) for those, and unpickled as usual they failed."""
+    new = cls.__new__(cls)
+    (dict.update if issubclass(cls, dict) else list.extend)(new, items)
+    return new
 
 
 def _cell_value(cell):
@@ -248,7 +270,12 @@ def dumps(values, namespace, class_tag, min_buffer):
     except Exception as first:
         try:
             import dill
-            return Pickled(dill.dumps(values, protocol=PROTOCOL, recurse=True), [], "dill")
+            data = dill.dumps(values, protocol=PROTOCOL, recurse=True)
+            # What only dill pickles is loaded back once: some of it pickles but does
+            # not load (a bokeh figure shown in a notebook), and is volatile then.
+            with loading_into(namespace):
+                dill.loads(data)
+            return Pickled(data, [], "dill")
         except Exception:
             raise Unpicklable(f"{type(first).__name__}: {first}") from None
 

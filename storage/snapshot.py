@@ -44,13 +44,19 @@ def type_name(value):
 def new_manifest(name, parent=None, code="", execution_count=0, auto_named=False):
     """An empty manifest for state `name` (its groups are filled by save_groups)."""
     now = datetime.datetime.now(datetime.timezone.utc).isoformat()
+    parent = parent or {}
     return {
         "name": name, "id": uuid.uuid4().hex, "created": now, "timestamp": now,
-        "parent": parent["name"] if parent else None,
-        "parent_id": parent["id"] if parent else None,
+        "parent": parent.get("name"), "parent_id": parent.get("id"),
         "code": code, "code_digest": hashlib.sha256(code.encode()).hexdigest(),
         "execution_count": execution_count, "python": PYTHON, "auto_named": auto_named,
         "groups": [], "variables": {}, "modules": {}, "volatile": {},
+        # The process context (kernel/worker/context.py): {provider: blob key}, and of it
+        # what the server reads without the blobs. A new state starts with its parent's.
+        "context": dict(parent.get("context") or {}), "cwd": parent.get("cwd"),
+        "home": parent.get("home"),
+        "local_modules": dict(parent.get("local_modules") or {}),
+        "unkept": list(parent.get("unkept") or []),
     }
 
 

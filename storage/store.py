@@ -21,6 +21,7 @@ import hashlib
 import json
 import os
 import queue
+import shlex
 import threading
 import time
 
@@ -100,10 +101,13 @@ class Store:
 
     _per_process = {}
 
-    def __init__(self, path, settings=None):
+    def __init__(self, path, settings=None, checked=False):
         """Open the store at `path`: for writing (created if needed) under the
         `store.*` tunables of `settings`, or read-only when settings is None.
-        Refuses a foreign store.
+        Refuses a foreign store, and a data file that lacks pages it uses
+        (`check_data_file`) unless `checked`: the caller has just checked it,
+        or the process this one was forked from did and holds it open (see
+        `for_process`).
 
         A blob is stored compressed if that saves `store.compress_min_saving`
         of its size; `store.threads` hash, compress and check the chunks of a
@@ -124,7 +128,8 @@ class Store:
         try:
             if not self.readonly:
                 os.makedirs(path, exist_ok=True)
-            check_data_file(path)
+            if not checked:
+                check_data_file(path)
             # map_size 0 when read-only: LMDB maps the file as large as it is.
             map_size = 0 if self.readonly else int(self.max_store_gb * 2 ** 30)
             # meta, blobs, states; notebooks (storage/notebooks.py); remote (storage/cache.py)
@@ -138,9 +143,13 @@ class Store:
             self.blobs = self.env.open_db(b"blobs", create=not self.readonly)
             self.states = self.env.open_db(b"states", create=not self.readonly)
         except lmdb.Error as exc:
+            # Not proof of damage (a lock file of another user, a full disk, a map
+            # size): nothing here may suggest throwing the states away.
             raise StoreError(
-                f"cannot open the store at {path}: {exc}. If it is damaged, move the "
-                f"folder aside and start with an empty one (or restore a backup)") from None
+                f"cannot open the store at {path}: {exc}. It is left as it is. Before "
+                f"trying anything on it, keep a copy: {_backup_command(path)}; "
+                f"scripts/check_store.py --data-dir {shlex.quote(path)} tells whether its "
+                f"data file is whole") from None
         self._check_format()
 
     @classmethod
@@ -155,14 +164,23 @@ class Store:
         the new open, or it would clear the new handle's reader slots. The
         parent keeps its handle open through the fork (reopening costs a
         cell about 1 ms).
+
+        A process forked from one that holds this store open does not check
+        the data file again (a walk of its trees when it is shorter than its
+        last page number: milliseconds per process, for every spare): the
+        parent checked it when it opened it, LMDB has written every page a
+        later transaction uses, and no tool swaps the file while a handle
+        is open on it (gc_states.py --compact refuses while a server runs).
         """
         pid = os.getpid()
         key = (pid, path)
         store = cls._per_process.get(key)
         if store is None:
-            for inherited in [k for k in cls._per_process if k[0] != pid]:
-                cls._per_process.pop(inherited).close()
-            store = cls._per_process[key] = cls(path, settings)
+            inherited = [k for k in cls._per_process if k[0] != pid]
+            checked = any(k[1] == path for k in inherited)
+            for k in inherited:
+                cls._per_process.pop(k).close()
+            store = cls._per_process[key] = cls(path, settings, checked=checked)
         return store
 
     @classmethod
@@ -447,7 +465,7 @@ class Store:
     def space(self):
         """Bytes of the data file in use by LMDB, of that free for new states, and
         the room left under max_store_gb beyond it: {used, free, room}."""
-        meta = lmdbfile.current_meta(self.path)
+        meta = lmdbfile.read_meta(self.path)  # checked when the store was opened
         with self.env.begin() as txn:
             pages = sum(stat["branch_pages"] + stat["leaf_pages"] + stat["overflow_pages"]
                         for stat in (txn.stat(db) for db in (self.meta, self.blobs, self.states)))
@@ -603,16 +621,30 @@ def _free_bytes(path):
 
 
 def check_data_file(path):
-    """Refuse (StoreError) an LMDB file that lacks pages it uses, before LMDB maps it."""
+    """Refuse (StoreError) a data file that lacks pages its trees use, or whose trees
+    lead to pages that are not theirs, before LMDB maps it (storage/lmdbfile.py)."""
     try:
         lmdbfile.current_meta(path)
-    except lmdbfile.Truncated as exc:
+    except lmdbfile.DataFileError as exc:
+        if isinstance(exc, lmdbfile.Truncated):
+            why = ("LMDB maps the file: reading a page past its end would kill this process "
+                   "(SIGBUS)")
+        else:
+            why = "LMDB would follow whatever that page holds, which can crash this process"
         raise StoreError(
-            f"the store at {path} is damaged: {exc}. Mapping it would crash this process "
-            f"(SIGBUS), so it is not opened. Restore {lmdbfile.DATA_FILE} from a backup, "
-            f"or move the folder aside and start with an empty store") from None
+            f"the store at {path} is damaged: {exc}. {why}, so it is not opened; it is "
+            f"left as it is. Before trying anything on it, keep a copy: "
+            f"{_backup_command(path)}. Then restore {lmdbfile.DATA_FILE} from a backup if "
+            f"you have one; scripts/check_store.py --data-dir {shlex.quote(path)} lists "
+            f"every page it found missing or wrong") from None
     except OSError as exc:
         raise StoreError(f"cannot read the store at {path}: {exc}") from None
+
+
+def _backup_command(path):
+    """The shell command that copies the store folder `path` aside, as it is."""
+    path = os.path.normpath(path)
+    return f"cp -a {shlex.quote(path)} {shlex.quote(path + '.bak')}"
 
 
 def referenced_blobs(manifest):
@@ -621,6 +653,7 @@ def referenced_blobs(manifest):
     for group in manifest.get("groups", []):
         keys.add(group["key"])
         keys.update(group["buffers"])
+    keys.update((manifest.get("context") or {}).values())
     return keys
 
 

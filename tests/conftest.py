@@ -4,22 +4,146 @@ Starting and stopping the process is scripts/harness.py's `Server`, which the
 scripts share; this module adds an HTTP client made for assertions.
 """
 
+import concurrent.futures
 import itertools
 import os
-import signal
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
 import requests
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-                                "scripts"))
-import harness  # noqa: E402
-from harness import ROOT, TOKEN, free_port  # noqa: E402,F401 (the tests import them here)
+import harness  # scripts/harness.py: pyproject's pytest `pythonpath` puts scripts/ on sys.path
+from harness import ROOT, S3, TOKEN, free_port  # noqa: F401 (the tests import them here)
 
 _ids = itertools.count()
+
+
+def wait_for(condition, what, timeout=60):
+    """Wait until condition() is true and return its value; fail naming `what` if it is
+    not within `timeout` seconds.
+
+    The deadline only bounds a wait for something that must happen, and is generous: a
+    loaded machine makes the wait longer, never the test fail. A test asserts the
+    condition it waited for, never how long that took.
+    """
+    deadline = time.monotonic() + timeout
+    while True:
+        value = condition()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+        time.sleep(0.02)  # a poll interval: the condition, not this, is what is waited for
+
+
+def asleep(pid):
+    """True while process `pid` is blocked in time.sleep's system call (Linux's
+    /proc/PID/wchan): a SIGINT sent then interrupts the sleep itself, where one sent a
+    moment before the call would be noticed only after the call returned."""
+    try:
+        with open(f"/proc/{pid}/wchan") as f:
+            return "nanosleep" in f.read()
+    except FileNotFoundError:  # the process is gone: not asleep
+        return False
+
+
+def in_thread(fn, *args, **kw):
+    """Run fn(*args, **kw) in a daemon thread; a Future whose result(timeout) returns what
+    it returned or raises what it raised, so no failure in a thread goes unseen."""
+    future = concurrent.futures.Future()
+
+    def run():
+        """The thread: hand the outcome to the future."""
+        try:
+            future.set_result(fn(*args, **kw))
+        except BaseException as exc:  # handed to the test, which re-raises it
+            future.set_exception(exc)
+
+    threading.Thread(target=run, daemon=True).start()
+    return future
+
+
+def warm_zygote(srv):
+    """The warm zygote of server `srv` (started with wait=False to catch it before it
+    connects), once the cold one forked it: the cold zygote's child in its process group
+    (holders are forked into groups of their own). A test stops it (SIGSTOP) to keep
+    the server on its cold path for as long as it needs."""
+    import psutil
+
+    def find():
+        """The process, or None (also when one of them exited meanwhile)."""
+        try:
+            for cold in psutil.Process(srv.proc.pid).children():
+                for child in cold.children():
+                    if os.getpgid(child.pid) == cold.pid:
+                        return child
+        except (psutil.NoSuchProcess, ProcessLookupError):
+            return None
+        return None
+    return wait_for(find, "the warm zygote to be forked")
+
+
+class Gate:
+    """A point a cell waits at until the test opens it: stages a race without a sleep.
+
+    `code` is cell source that appends the process id to a file, then waits until the
+    test calls `open`; `arrived(n)` waits until `n` processes are waiting there. It binds
+    no name in the cell's namespace. The gate is opened at the end of the test whatever
+    happens (the `gate` fixture), so no cell is left waiting.
+    """
+
+    def __init__(self, folder, name="gate"):
+        """A closed gate whose files live in `folder`."""
+        self.arrivals_path = os.path.join(str(folder), f"{name}.arrived")
+        self.go_path = os.path.join(str(folder), f"{name}.go")
+        if os.path.exists(self.go_path):
+            os.unlink(self.go_path)
+        # Cell source: say "here" (the pid, one line), then wait for the test.
+        self.arrive_code = (f"__import__('pathlib').Path({self.arrivals_path!r}).open('a')"
+                            f".write(str(__import__('os').getpid()) + '\\n')\n")
+        self.code = (self.arrive_code +
+                     f"while not __import__('os').path.exists({self.go_path!r}):\n"
+                     f"    __import__('time').sleep(0.01)\n")
+
+    def indented(self, prefix):
+        """`code` for a block indented by `prefix`."""
+        return "".join(prefix + line + "\n" for line in self.code.splitlines())
+
+    def pids(self):
+        """Process ids of those that arrived at the gate, in order of arrival."""
+        try:
+            with open(self.arrivals_path) as f:
+                return [int(line) for line in f.read().split()]
+        except FileNotFoundError:
+            return []
+
+    def arrived(self, count=1, timeout=60):
+        """Wait until `count` processes wait at the gate; their pids."""
+        return wait_for(lambda: len(self.pids()) >= count and self.pids(),
+                        f"{count} cell(s) to reach the gate {self.go_path}", timeout)
+
+    def open(self):
+        """Let every process waiting at the gate (and any arriving later) through."""
+        with open(self.go_path, "w"):
+            pass
+
+
+@pytest.fixture
+def gate(tmp_path):
+    """Make closed gates (`gate()` or `gate("name")`); all are opened at the test's end."""
+    made = []
+
+    def make(name="gate"):
+        """A new closed gate."""
+        made.append(Gate(tmp_path, name))
+        return made[-1]
+
+    yield make
+    for one in made:
+        one.open()
 
 
 class Server(harness.Server):
@@ -44,14 +168,13 @@ class Server(harness.Server):
         """DELETE."""
         return self.request("DELETE", path, **kw)
 
-    def execute(self, code, state="initial", new=None, exec_id=None, ok=True, cwd=None):
-        """POST /execute; with ok=True, assert the cell succeeded and return the answer.
-        `cwd`: the working directory of a cell run from `initial`."""
-        body = {"code": code, "exec_id": exec_id or f"e{next(_ids)}", "state_name": state}
+    def execute(self, code, state="initial", new=None, exec_id=None, ok=True, extra=None):
+        """POST /execute (with the `extra` fields of the body, if any); with ok=True,
+        assert the cell succeeded and return the answer."""
+        body = {"code": code, "exec_id": exec_id or f"e{next(_ids)}", "state_name": state,
+                **(extra or {})}
         if new is not None:
             body["new_state_name"] = new
-        if cwd is not None:
-            body["cwd"] = str(cwd)
         r = self.post("/execute", body)
         assert r.status_code == 200, r.text
         answer = r.json()
@@ -99,68 +222,6 @@ def make_server(tmp_path):
     yield make
     for srv in started:
         srv.stop()
-
-
-class S3:
-    """moto's S3 server (tests/s3_server.py) on a loopback port, for the remote store."""
-
-    def __init__(self, log_path):
-        """Start it and wait until it answers."""
-        import boto3
-        self.port = free_port()
-        self.endpoint = f"http://127.0.0.1:{self.port}"
-        self.log_path = str(log_path)
-        self.log = open(self.log_path, "ab")
-        self.proc = subprocess.Popen([sys.executable, "tests/s3_server.py", str(self.port)],
-                                     cwd=ROOT, stdout=self.log, stderr=self.log,
-                                     stdin=subprocess.DEVNULL)
-        self.client = boto3.client("s3", endpoint_url=self.endpoint, region_name="us-east-1")
-        deadline = time.monotonic() + 30
-        while True:
-            try:
-                self.client.list_buckets()
-                return
-            except Exception:
-                if time.monotonic() > deadline or self.proc.poll() is not None:
-                    raise RuntimeError("moto's S3 server did not come up")
-                time.sleep(0.05)
-
-    def bucket(self):
-        """A new empty bucket's name."""
-        name = f"bucket-{next(_ids)}"
-        self.client.create_bucket(Bucket=name)
-        return name
-
-    def config(self, bucket, durability="sync", extra=""):
-        """A config.toml for a server on s3://BUCKET/states, quick to notice a dead remote."""
-        return (f'[store]\nremote = "s3://{bucket}/states"\n'
-                f'remote_endpoint = "{self.endpoint}"\ndurability = "{durability}"\n'
-                f"remote_refresh_s = 0.0\nremote_timeout_s = 1.0\nremote_attempts = 1\n"
-                f"remote_retry_s = 0.2\n{extra}")
-
-    def objects(self, bucket, under):
-        """{key below `under`: object listing entry} of a bucket."""
-        found = {}
-        for page in self.client.get_paginator("list_objects_v2").paginate(
-                Bucket=bucket, Prefix=f"states/{under}/"):
-            for item in page.get("Contents", []):
-                found[item["Key"].rsplit("/", 1)[1]] = item
-        return found
-
-    def pause(self):
-        """Stop answering (SIGSTOP): requests hang until they time out."""
-        self.proc.send_signal(signal.SIGSTOP)
-
-    def resume(self):
-        """Answer again (SIGCONT)."""
-        self.proc.send_signal(signal.SIGCONT)
-
-    def stop(self):
-        """Kill the server."""
-        self.resume()
-        self.proc.kill()
-        self.proc.wait()
-        self.log.close()
 
 
 @pytest.fixture(scope="module")

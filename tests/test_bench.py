@@ -4,14 +4,12 @@ workload, its command line."""
 import json
 import subprocess
 import sys
-import threading
-import time
 
 import pytest
 from nbclient.exceptions import CellExecutionError
 
 from bench import floors, notebook, peers, profile, report
-from conftest import ROOT
+from conftest import ROOT, Gate, asleep, in_thread, wait_for
 from kernel import trace
 
 
@@ -121,15 +119,13 @@ def test_ipykernel_peer_runs_cells_interrupts_and_resets(tmp_path):
         assert answer["error"]["ename"] == "ZeroDivisionError" and answer["state_name"] is None
         rss, children_pss, children = kernel.memory()
         assert rss > 10 * 2 ** 20 and children == 0
-        box = {}
-        thread = threading.Thread(target=lambda: box.update(
-            answer=kernel.execute("import time\ntime.sleep(60)")[1]))
-        thread.start()
-        deadline = time.monotonic() + 30
-        while thread.is_alive() and time.monotonic() < deadline:
-            kernel.interrupt("unused")  # SIGINT before the cell runs is harmless to retry
-            thread.join(0.5)
-        assert box["answer"]["error"]["ename"] == "KeyboardInterrupt"
+        # The cell sleeps an hour: only the interrupt, sent once it sleeps, ends it in time.
+        here = Gate(tmp_path, "sleeping")
+        sleeping = in_thread(kernel.execute, here.arrive_code + "import time\ntime.sleep(3600)")
+        (pid,) = here.arrived()
+        wait_for(lambda: asleep(pid), "the kernel's cell to sleep")
+        kernel.interrupt("unused")
+        assert sleeping.result(timeout=60)[1]["error"]["ename"] == "KeyboardInterrupt"
         kernel.reset()
         assert kernel.execute("x")[1]["error"]["ename"] == "NameError"
     finally:
@@ -194,12 +190,13 @@ def test_notebook_workload_edits_its_parameter_cell():
 def test_floors_measure_each_crossing(tmp_path):
     """The floors' servers answer their route, the hop and the commits happen, and the
     durable write leaves nothing behind (each a median of real round trips, in seconds)."""
+    # Only that each measured something: how fast is BENCHMARKS.md's business.
     for script in (floors._RAW_SERVER, floors._BOTTLE_SERVER):
         # (_http_floor raises unless every answer is a 200)
-        assert 0 < report.median(floors._http_floor(script, 0.0)) < 1.0
-    assert 0 < report.median(floors._hop_floor(0.0)) < 1.0
-    assert 0 < report.median(floors._fork_floor(0.0)) < 1.0
-    assert 0 < report.median(floors._commit_floor(str(tmp_path), 0.0)) < 1.0
+        assert 0 < report.median(floors._http_floor(script, 0.0))
+    assert 0 < report.median(floors._hop_floor(0.0))
+    assert 0 < report.median(floors._fork_floor(0.0))
+    assert 0 < report.median(floors._commit_floor(str(tmp_path), 0.0))
     assert list(tmp_path.glob("floor-lmdb-*/data.mdb"))
     assert floors._durable_write_seconds(str(tmp_path), 8 << 20) > 0
     assert not (tmp_path / "floor-write").exists()

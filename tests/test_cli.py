@@ -4,12 +4,11 @@ import os
 import signal
 import subprocess
 import sys
-import time
 
 import psutil
 import requests
 
-from conftest import ROOT, free_port
+from conftest import ROOT, free_port, wait_for
 
 
 def start(args, env=None):
@@ -19,17 +18,16 @@ def start(args, env=None):
                             env=dict(os.environ, **(env or {})))
 
 
-def wait_health(url, proc, timeout=30):
-    """Wait for /health, failing if the process exits."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
+def wait_health(url, proc, timeout=60):
+    """Wait for /health, failing at once if the process exits."""
+    def up():
+        """/health's answer, or None while nothing listens."""
         assert proc.poll() is None, proc.stderr.read().decode()
         try:
-            if requests.get(url + "/health", timeout=1).ok:
-                return
-        except requests.ConnectionError:
-            time.sleep(0.05)
-    raise AssertionError("server did not come up")
+            return requests.get(url + "/health", timeout=5).json()
+        except requests.ConnectionError:  # not listening yet
+            return None
+    assert wait_for(up, "the server to answer /health", timeout) == {"status": "ok"}
 
 
 def stop(proc):
@@ -76,7 +74,8 @@ def test_token_from_environment_and_quiet_output(tmp_path):
                  {"SNAPSHOT_KERNEL_TOKEN": "from-env"})
     try:
         wait_health(url, proc)
-        assert requests.get(url + "/states", timeout=10).status_code == 401
+        r = requests.get(url + "/states", timeout=60)
+        assert r.status_code == 401 and r.json()["error"]["type"] == "Unauthorized"
         r = requests.post(url + "/execute", params={"token": "from-env"}, timeout=60,
                           json={"code": "print('hi')", "exec_id": "q", "state_name": "initial"})
         assert r.json()["output"][0]["text"] == "hi\n"
@@ -106,7 +105,8 @@ def test_bottle_command_line_form(tmp_path):
                   "main:app"])
     try:
         wait_health(url, proc)
-        assert requests.get(url + "/states", timeout=10).status_code == 401
+        r = requests.get(url + "/states", timeout=60)
+        assert r.status_code == 401 and r.json()["error"]["type"] == "Unauthorized"
         r = requests.post(url + "/execute", params={"token": "bottle-token"}, timeout=60,
                           json={"code": "6 * 7", "exec_id": "b", "state_name": "initial"})
         assert r.json()["output"][0]["data"]["text/plain"] == "42"
@@ -114,5 +114,45 @@ def test_bottle_command_line_form(tmp_path):
         assert workers
     finally:
         stop(proc)
-    _, alive = psutil.wait_procs(workers, timeout=10)
-    assert not alive
+    _, alive = psutil.wait_procs(workers, timeout=60)
+    assert not alive, [p.pid for p in alive]
+
+
+def test_default_store_is_in_the_users_data_folder(tmp_path):
+    """Without --data-dir or a configured data_dir the store is
+    $XDG_DATA_HOME/snapshot-kernel/store, whatever the working directory."""
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    proc = start(["main.py", "--bind", f"127.0.0.1:{port}", "--token", "t"],
+                 {"XDG_DATA_HOME": str(tmp_path / "xdg")})
+    try:
+        wait_health(url, proc)
+        r = requests.post(url + "/execute", params={"token": "t"}, timeout=60,
+                          json={"code": "x = 1", "exec_id": "d", "state_name": "initial"})
+        assert r.json()["error"] is None
+    finally:
+        stop(proc)
+    assert (tmp_path / "xdg" / "snapshot-kernel" / "store" / "data.mdb").exists()
+
+
+def test_relative_paths_of_a_config_file_are_relative_to_its_folder(tmp_path):
+    """data_dir and log_file given relative in --config land beside that file, not in
+    the server's working directory (the checkout here)."""
+    folder = tmp_path / "conf"
+    folder.mkdir()
+    config = folder / "server.toml"
+    config.write_text('[server]\ndata_dir = "my-store"\nlog_file = "logs.txt"\n')
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    proc = start(["main.py", "--bind", f"127.0.0.1:{port}", "--token", "t",
+                  "--config", str(config)])
+    try:
+        wait_health(url, proc)
+        r = requests.post(url + "/execute", params={"token": "t"}, timeout=60,
+                          json={"code": "y = 2", "exec_id": "r", "state_name": "initial"})
+        assert r.json()["error"] is None
+    finally:
+        stop(proc)
+    assert (folder / "my-store" / "data.mdb").exists()
+    assert (folder / "logs.txt").exists()
+    assert not os.path.exists(os.path.join(ROOT, "my-store"))

@@ -261,8 +261,9 @@ def answered(server, source, state, cwd):
         return [], NO_ANSWER, None
     exec_id = f"corpus-{uuid.uuid4().hex}"
     try:
+        extra = {"cwd": cwd} if state == "initial" else None
         answer = validated(server.execute(source, state, exec_id=exec_id, ok=False,
-                                          cwd=cwd if state == "initial" else None))
+                                          extra=extra))
     except requests.exceptions.ReadTimeout:
         server.post("/interrupt", {"exec_id": exec_id})
         # The next cells are not sent: a cell that hangs once (polars after a fork) tends
@@ -271,6 +272,7 @@ def answered(server, source, state, cwd):
     return answer["output"], answer["error"], answer["state_name"] or state
 
 
+@pytest.mark.corpus
 @pytest.mark.slow
 def test_execute_cell_by_cell(reference, server, tmp_path, capsys):
     """POST /execute, each cell from the state the previous good cell made."""
@@ -285,6 +287,7 @@ def test_execute_cell_by_cell(reference, server, tmp_path, capsys):
     tally.report(capsys)
 
 
+@pytest.mark.corpus
 @pytest.mark.slow
 def test_execute_with_a_restart_before_every_cell(reference, tmp_path, capsys):
     """POST /execute with the server stopped and started again before every cell: every
@@ -335,6 +338,7 @@ def run_twice(tmp_path_factory):
     return str(root / "corpus"), runs
 
 
+@pytest.mark.corpus
 @pytest.mark.slow
 def test_run_command(reference, run_twice, capsys):
     """`main.py run` shows what a Jupyter Run All that stops at the first error shows."""
@@ -345,6 +349,7 @@ def test_run_command(reference, run_twice, capsys):
     tally.report(capsys)
 
 
+@pytest.mark.corpus
 @pytest.mark.slow
 def test_second_run_reuses_every_cell_that_did_not_fail(reference, run_twice, capsys):
     """A second `main.py run` of each notebook runs nothing that succeeded the first
@@ -361,6 +366,7 @@ def test_second_run_reuses_every_cell_that_did_not_fail(reference, run_twice, ca
     tally.report(capsys)
 
 
+@pytest.mark.corpus
 @pytest.mark.slow
 def test_run_command_allow_errors(reference, tmp_path, capsys):
     """`main.py run --allow-errors` goes on past failing cells, as nbclient does with
@@ -377,6 +383,7 @@ def test_run_command_allow_errors(reference, tmp_path, capsys):
     tally.report(capsys)
 
 
+@pytest.mark.corpus
 @pytest.mark.slow
 def test_jupyter_kernel(reference, data_dir, tmp_path, capsys):  # noqa: F811
     """nbclient through this project's kernelspec, a notebook at a time."""

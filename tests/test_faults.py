@@ -7,14 +7,12 @@ scripts/faults.py runs at the end.
 
 import subprocess
 import sys
-import threading
-import time
 
 import psutil
 import pytest
 
 import harness
-from conftest import ROOT, Server
+from conftest import ROOT, Server, in_thread, wait_for
 
 LIMITS = """
 [limits]
@@ -54,15 +52,9 @@ def make_kept(srv):
     return states(srv)
 
 
-def gone(pids, timeout=60):
-    """True once no process of `pids` is alive (zombies count as gone)."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        alive = [p for p in pids if harness.alive(p)]
-        if not alive:
-            return True
-        time.sleep(0.1)
-    return False
+def wait_gone(pids, what):
+    """Wait until no process of `pids` is alive (zombies count as gone)."""
+    wait_for(lambda: not [p for p in pids if harness.alive(p)], what)
 
 
 def processes_named(marker):
@@ -97,11 +89,9 @@ def test_crashing_cell_leaves_server_and_states_intact(server, code, ename, deta
 ])
 def test_cell_over_max_cell_memory_mb_is_memory_limit(limited, code):
     before = make_kept(limited)
-    start = time.monotonic()
     answer = limited.execute(code, state="f-keep", ok=False)
     assert answer["error"]["ename"] == "MemoryLimit", answer["error"]
     assert "max_cell_memory_mb = 256" in answer["error"]["evalue"]
-    assert time.monotonic() - start < 10
     intact(limited, before)
 
 
@@ -119,9 +109,14 @@ def test_memory_limit_counts_the_cells_memory_not_the_states(limited):
 def test_memory_watchdog_catches_copy_on_write_growth(limited):
     # Writing to inherited pages adds no address space (RLIMIT_AS cannot see it) but
     # makes them the cell's own: the watchdog on private memory stops it.
-    limited.execute("import numpy as np\na = np.ones(20_000_000)", new="f-cow1")
+    # numpy is imported in a cell of its own, as above (run alone, this test's first cells
+    # run in workers forked before the warm zygote is up).
+    limited.execute("import numpy as np", new="f-cow0")
+    limited.execute("a = np.ones(20_000_000)", state="f-cow0", new="f-cow1")
     limited.execute("b = np.ones(20_000_000)", state="f-cow1", new="f-cow2")
-    answer = limited.execute("import time\nfor _ in range(100):\n    a += 1\n    b += 1\n"
+    # The cell never ends on its own: only the watchdog (or cell_timeout_s, a failure
+    # here) stops it.
+    answer = limited.execute("import time\nwhile True:\n    a += 1\n    b += 1\n"
                              "    time.sleep(0.05)", state="f-cow2", ok=False)
     assert answer["error"]["ename"] == "MemoryLimit", answer["error"]
     assert limited.value("f-cow2", "float(a[0] + b[-1])") == "2.0"
@@ -129,45 +124,36 @@ def test_memory_watchdog_catches_copy_on_write_growth(limited):
 
 def test_cell_over_cell_timeout_s_is_timeout(limited):
     before = make_kept(limited)
-    codes = ["import time\ntime.sleep(60)",
+    # Cells that would run for an hour, or for ever: only the limit ends them in time.
+    codes = ["import time\ntime.sleep(3600)",
              "import signal, time\nsignal.signal(signal.SIGINT, signal.SIG_IGN)\n"
-             "time.sleep(60)",
+             "time.sleep(3600)",
              "while True:\n    pass"]
-    answers = {}
-
-    def run(code):
-        """Execute `code`, keeping its answer and how long it took."""
-        start = time.monotonic()
-        answers[code] = (limited.execute(code, state="f-keep", ok=False),
-                         time.monotonic() - start)
-
-    threads = [threading.Thread(target=run, args=(code,)) for code in codes]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(60)
-    for code in codes:
-        answer, took = answers[code]
+    answers = {code: in_thread(limited.execute, code, state="f-keep", ok=False)
+               for code in codes}
+    for code, answer in answers.items():
+        answer = answer.result(timeout=120)
         assert answer["error"]["ename"] == "Timeout", (code, answer["error"])
         assert "cell_timeout_s = 3" in answer["error"]["evalue"]
-        assert 2.9 < took < 8, (code, took)
     intact(limited, before)
     # A cell under the limit is untouched by it.
     assert limited.execute("import time\ntime.sleep(1)\n'ok'")["error"] is None
 
 
+# After starting its processes the cell waits an hour: it cannot end before the watchdog
+# sees them (were the watchdog gone, cell_timeout_s would end it: a Timeout, a failure).
 @pytest.mark.parametrize("code", [
     "import subprocess\nps = [subprocess.Popen(['sleep', '3071']) for _ in range(30)]\n"
-    "import time\ntime.sleep(3)",
+    "import time\ntime.sleep(3600)",
     "import os, time\nfor i in range(40):\n    if os.fork() == 0:\n"
-    "        time.sleep(3071)\n        os._exit(0)\ntime.sleep(3)",
+    "        time.sleep(3071)\n        os._exit(0)\ntime.sleep(3600)",
 ])
 def test_cell_forking_many_processes_is_bounded(limited, code):
     before = make_kept(limited)
     answer = limited.execute(code, state="f-keep", ok=False)
     # A pids cgroup makes fork fail (BlockingIOError); without one the watchdog kills.
     assert answer["error"]["ename"] in ("BlockingIOError", "ProcessLimit"), answer["error"]
-    assert gone(processes_named("3071")) or not processes_named("sleep 3071")
+    wait_gone(processes_named("3071"), "the cell's processes to be killed")
     intact(limited, before)
 
 
@@ -196,8 +182,8 @@ def test_leftover_threads_and_processes_reaped_on_delete(server):
         "holder, sleeper", new="f-leftover")
     holder, sleeper = eval(answer["output"][-1]["data"]["text/plain"])
     assert psutil.pid_exists(holder) and psutil.pid_exists(sleeper)
-    assert server.delete("/states/f-leftover").status_code == 200
-    assert gone([holder, sleeper])
+    assert server.delete("/states/f-leftover").json() == {"deleted": "f-leftover"}
+    wait_gone([holder, sleeper], "the deleted state's holder and its leftovers to go")
 
 
 def test_leftover_processes_reaped_on_eviction(limited):
@@ -207,14 +193,12 @@ def test_leftover_processes_reaped_on_eviction(limited):
     for i in range(4):  # max_live_states = 3: the leftover's holder is evicted
         limited.execute(f"n = {i}", new=f"f-evict{i}")
     assert not limited.get("/states/f-evicted").json()["live"]
-    assert gone([holder, sleeper])
+    wait_gone([holder, sleeper], "the evicted holder and its leftovers to go")
 
 
 def test_faults_script_five_rounds(tmp_path):
-    start = time.monotonic()
     run = subprocess.run([sys.executable, "scripts/faults.py", "--rounds", "5",
                           "--work-dir", str(tmp_path)],
-                         cwd=ROOT, capture_output=True, text=True, timeout=240)
+                         cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     assert "survived 5/5 rounds" in run.stdout
-    assert time.monotonic() - start < 120

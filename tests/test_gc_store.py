@@ -8,7 +8,6 @@ subprocesses, the way an operator would.
 
 import datetime
 import hashlib
-import json
 import os
 import shutil
 
@@ -16,7 +15,8 @@ import lmdb
 import pytest
 
 from conftest import Server, run_script
-from storage.store import Store, decode_manifest
+from kernel import config
+from storage.store import Store
 
 SHARED_SUM = sum(range(50000))
 
@@ -50,19 +50,18 @@ def referenced(data_dir, manifests):
 
 
 def backdate(data_dir, names, days):
-    """Move the creation time of states `days` into the past (edits the manifests)."""
-    env = lmdb.open(str(data_dir), max_dbs=4, map_size=2 ** 30)
+    """Move the creation time of states `days` into the past (the store rewrites their
+    manifests, in its own format)."""
+    store = Store(str(data_dir), config.load())
     try:
-        states = env.open_db(b"states")
-        with env.begin(db=states, write=True) as txn:
-            for name in names:
-                manifest = decode_manifest(txn.get(name.encode()))
-                when = datetime.datetime.fromisoformat(manifest["created"])
-                when -= datetime.timedelta(days=days)
-                manifest["created"] = manifest["timestamp"] = when.isoformat()
-                txn.put(name.encode(), json.dumps(manifest).encode())
+        for name in names:
+            manifest = store.manifest(name)
+            when = datetime.datetime.fromisoformat(manifest["created"])
+            when -= datetime.timedelta(days=days)
+            manifest["created"] = manifest["timestamp"] = when.isoformat()
+            store.put_state(name, manifest, {})
     finally:
-        env.close()
+        store.close()
 
 
 @pytest.fixture(scope="module")
@@ -93,7 +92,7 @@ def template(tmp_path_factory):
         srv.execute("o = 'old'", new="old-1")
         srv.execute("import os\njunk = os.urandom(3_000_000)", new="junk")
         srv.execute("g = list(range(1000, 2000))", new="gone")
-        assert srv.delete("/states/gone").status_code == 200
+        assert srv.delete("/states/gone").json() == {"deleted": "gone"}
     finally:
         srv.stop()
     backdate(data_dir, ["old-1", auto["auto4"]], days=3)
@@ -301,6 +300,8 @@ def test_check_store_passes_on_a_healthy_store_even_while_serving(store_copy, ma
     srv.execute("n = 7", state="leaf", new="while-serving")
     result = check(data_dir)
     assert result.returncode == 0, result.stdout + result.stderr
+    states = len(srv.get("/states").json()["states"])
+    assert f"checked {states} state(s)" in result.stdout and "OK" in result.stdout
     srv.stop()
 
 

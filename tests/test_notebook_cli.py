@@ -164,3 +164,28 @@ def test_ctrl_c_interrupts_the_running_cell_and_ends_the_run(make_server, tmp_pa
     assert [o.ename for o in cells[1].outputs if o.output_type == "error"] == [
         "KeyboardInterrupt"]
     assert cells[2].execution_count is None
+
+
+def test_allow_errors_on_the_command_line(tmp_path):
+    src = notebook(tmp_path / "nb.ipynb", "x = 1\nraise ValueError('on purpose')",
+                   "print(x + 1)")
+    done = run_cli(src, "--data-dir", tmp_path / "store", "--allow-errors")
+    assert done.returncode == 0, done.stderr
+    assert "c0: failed" in done.stderr and "c1: ran" in done.stderr
+    cells = code_cells(src)
+    assert [o.ename for o in cells[0].outputs if o.output_type == "error"] == ["ValueError"]
+    assert text(cells[1]) == "2\n"
+    refused = run_cli(src, "--fresh", "--allow-errors")
+    assert refused.returncode == 2 and "--allow-errors: not with --fresh" in refused.stderr
+
+
+def test_a_tagged_cell_fails_a_fresh_run(tmp_path):
+    nb = nbformat.v4.new_notebook()
+    nb.cells = [nbformat.v4.new_code_cell("1 / 0", id="c0",
+                                          metadata={"tags": ["raises-exception"]}),
+                nbformat.v4.new_code_cell("y = 1", id="c1")]
+    nbformat.write(nb, str(tmp_path / "nb.ipynb"))
+    done = run_cli(tmp_path / "nb.ipynb", "--fresh", "--receipt", tmp_path / "r.json")
+    receipt = json.loads((tmp_path / "r.json").read_text())
+    assert done.returncode == 1 and receipt["category"] == "CELL_ERROR"
+    assert [c["status"] for c in receipt["cells"]] == ["failed", "not_run"]

@@ -12,13 +12,12 @@ import json
 import os
 import subprocess
 import sys
-import time
 
 import pytest
 import requests
 
 from cells import run, texts, validated
-from conftest import ROOT
+from conftest import ROOT, wait_for
 
 LIMITS = "[display]\nmax_output_bytes = 50000\nmax_mime_chars = 1000\n"
 
@@ -89,13 +88,12 @@ def test_worker_state_restored_and_no_threads_left(server):
     pid = int(first["output"][0]["data"]["text/plain"])
     # After its answer the child forks its holder and rehearses a throwaway cell, its
     # output capture included: the state to compare with is the idle one after that.
-    deadline = time.monotonic() + 30
-    while True:
-        before = _process_state(pid)
-        if before["threads"] == 1 and "memfd" not in str(before):
-            break
-        assert time.monotonic() < deadline, before
-        time.sleep(0.05)
+    def idle():
+        """The process's state once it is idle (one thread, no capture memfd)."""
+        state = _process_state(pid)
+        return state if state["threads"] == 1 and "memfd" not in str(state) else None
+
+    before = wait_for(idle, f"process {pid} to be idle after its warm-up")
     state = first["state_name"]
     for code in ["print('x')", "os.system('echo y')", "!echo z",
                  "import subprocess\nsubprocess.run(['echo', 'w'])",
@@ -109,10 +107,9 @@ def test_worker_state_restored_and_no_threads_left(server):
         answer = validated(server.execute(code + "\nos.getpid()", state))
         assert answer["output"][-1]["data"]["text/plain"] == str(pid), code
         state = answer["state_name"]
-        deadline = time.monotonic() + 30
-        while _process_state(pid) != before and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert _process_state(pid) == before, code
+        # (after its answer the child forks a holder and rehearses a cell: a moment)
+        wait_for(lambda: _process_state(pid) == before,
+                 f"process {pid} to be as before, after {code!r}: {_process_state(pid)}")
     added = server.value(state, "sorted(set(vars(builtins)) ^ names)")
     assert added in ("[]", "['__IPYTHON__']")
 

@@ -5,56 +5,60 @@ import glob
 import os
 import signal
 import tempfile
-import threading
-import time
 
 import psutil
 import pytest
 
+from conftest import asleep, in_thread, wait_for, warm_zygote
+import harness
 from kernel import trace
 
 
 def run_async(server, body):
-    """POST /execute in a thread; returns (thread, holder list for the answer)."""
-    box = []
-    thread = threading.Thread(target=lambda: box.append(server.post("/execute", body).json()))
-    thread.start()
-    return thread, box
+    """POST /execute in a thread; a Future of the decoded answer."""
+    def post():
+        """The request, its status checked."""
+        r = server.post("/execute", body)
+        assert r.status_code == 200, r.text
+        return r.json()
+    return in_thread(post)
 
 
-def interrupt_when_running(server, exec_id, timeout=20):
-    """POST /interrupt until the execution is registered; returns the time it was sent."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        sent = time.monotonic()
-        if server.post("/interrupt", {"exec_id": exec_id}).json()["interrupted"]:
-            return sent
-        time.sleep(0.05)
-    raise AssertionError("the execution never started")
-
-
-def test_interrupt_stops_sleep_quickly(server):
+def test_interrupt_stops_sleep(server, gate):
+    """SIGINT ends a time.sleep with KeyboardInterrupt in the cell (the sleep is an hour:
+    only the interrupt can end it within the wait below)."""
     server.execute("x = 1", new="proc-int")
-    body = {"code": "import time\ntime.sleep(60)", "exec_id": "sleeper",
+    here = gate()
+    body = {"code": here.arrive_code + "import time\ntime.sleep(3600)", "exec_id": "sleeper",
             "state_name": "proc-int", "new_state_name": "proc-int2"}
-    thread, box = run_async(server, body)
-    start = interrupt_when_running(server, "sleeper")
-    thread.join(30)
-    assert time.monotonic() - start < 10  # not the 60 s of the cell
-    assert box[0]["error"]["ename"] == "KeyboardInterrupt"
-    assert box[0]["state_name"] is None
+    answer = run_async(server, body)
+    (pid,) = here.arrived()
+    wait_for(lambda: asleep(pid), "the cell to be inside time.sleep")
+    assert server.post("/interrupt", {"exec_id": "sleeper"}).json() == {"interrupted": True}
+    error = answer.result(timeout=60)["error"]
+    assert error["ename"] == "KeyboardInterrupt"
+    # Raised in the cell's sleep, not the SIGKILL after the grace period.
+    assert "killed" not in error["evalue"], error
+    assert any("time.sleep(3600)" in line for line in error["traceback"]), error
+    assert answer.result()["state_name"] is None
     assert "proc-int2" not in server.get("/states").json()["states"]
     assert server.value("proc-int", "x") == "1"
 
 
-def test_interrupt_escalates_to_sigkill(server):
-    code = "import signal, time\nsignal.signal(signal.SIGINT, signal.SIG_IGN)\ntime.sleep(60)"
-    thread, box = run_async(server, {"code": code, "exec_id": "stubborn",
-                                     "state_name": "initial"})
-    start = interrupt_when_running(server, "stubborn")
-    thread.join(30)
-    assert time.monotonic() - start < 20  # not the 60 s of the cell
-    assert box[0]["error"]["ename"] == "KeyboardInterrupt"
+def test_interrupt_escalates_to_sigkill(server, gate):
+    """A cell that ignores SIGINT is killed after interrupt_grace_s (its sleep is an hour:
+    only the SIGKILL can end it within the wait below)."""
+    here = gate()
+    code = ("import signal, time\nsignal.signal(signal.SIGINT, signal.SIG_IGN)\n" +
+            here.arrive_code + "time.sleep(3600)")
+    answer = run_async(server, {"code": code, "exec_id": "stubborn", "state_name": "initial"})
+    (pid,) = here.arrived()
+    wait_for(lambda: asleep(pid), "the cell to be inside time.sleep")
+    assert server.post("/interrupt", {"exec_id": "stubborn"}).json() == {"interrupted": True}
+    error = answer.result(timeout=60)["error"]
+    assert error["ename"] == "KeyboardInterrupt"
+    assert "killed after interrupt_grace_s" in error["evalue"], error
+    wait_for(lambda: not harness.alive(pid), "the stubborn cell's process to be gone")
 
 
 @pytest.mark.parametrize("code, expect", [
@@ -73,29 +77,36 @@ def test_dying_cell_is_reported_and_server_carries_on(server, code, expect):
     assert server.execute("kept + [3]", state="proc-crash")["error"] is None
 
 
-def test_exec_id_already_running_is_409(server, tmp_path):
-    started = tmp_path / "started"
-    code = f"import pathlib, time\npathlib.Path({str(started)!r}).touch()\ntime.sleep(3)"
-    thread, box = run_async(server, {"code": code, "exec_id": "dup", "state_name": "initial"})
-    deadline = time.monotonic() + 60
-    while not started.exists():  # its exec_id is registered before the cell starts
-        assert time.monotonic() < deadline, "the first cell never started"
-        time.sleep(0.05)
+def test_exec_id_already_running_is_409(server, gate):
+    # The first cell waits at the gate, so it is surely still running when the second
+    # request comes (its exec_id is registered before the cell starts).
+    here = gate()
+    first = run_async(server, {"code": here.code + "'first'", "exec_id": "dup",
+                               "state_name": "initial"})
+    here.arrived()
     r = server.post("/execute", {"code": "1", "exec_id": "dup", "state_name": "initial"})
-    assert r.status_code == 409 and r.json()["error"]["type"] == "Conflict"
-    thread.join(30)
-    assert box[0]["error"] is None
+    assert r.status_code == 409 and r.json()["error"]["type"] == "Conflict", r.text
+    assert "dup" in r.json()["error"]["message"]
+    here.open()
+    answer = first.result(timeout=60)
+    assert answer["error"] is None
+    assert answer["output"][-1]["data"]["text/plain"] == "'first'"
 
 
-def test_two_executions_from_one_state_run_in_parallel(server):
+def test_two_executions_from_one_state_run_in_parallel(server, gate):
+    # Neither cell can end before the gate opens: both arriving there means both ran at
+    # once. One after the other, the second would never arrive (the wait fails).
     server.execute("import time", new="proc-par")
-    start = time.monotonic()
-    threads = [run_async(server, {"code": "time.sleep(5)\n'done'", "exec_id": f"par{i}",
+    here = gate()
+    answers = [run_async(server, {"code": here.code + f"'done {i}'", "exec_id": f"par{i}",
                                   "state_name": "proc-par"}) for i in range(2)]
-    for thread, _ in threads:
-        thread.join(60)
-    assert time.monotonic() - start < 9  # one after the other would take 10 s
-    assert all(box[0]["error"] is None for _, box in threads)
+    pids = here.arrived(2)
+    assert len(set(pids)) == 2 and all(harness.alive(pid) for pid in pids)
+    here.open()
+    for i, answer in enumerate(answers):
+        answer = answer.result(timeout=60)
+        assert answer["error"] is None, answer["error"]
+        assert answer["output"][-1]["data"]["text/plain"] == f"'done {i}'"
 
 
 def test_server_never_forks_and_sigterm_leaves_no_worker(make_server):
@@ -113,7 +124,7 @@ def test_server_never_forks_and_sigterm_leaves_no_worker(make_server):
     assert stray
     srv.stop(signal.SIGTERM)
     assert srv.proc.returncode == 0
-    gone, alive = psutil.wait_procs(workers, timeout=10)
+    gone, alive = psutil.wait_procs(workers, timeout=60)
     assert not alive, [p.pid for p in alive]
 
 
@@ -123,8 +134,8 @@ def test_ctrl_c_stops_cleanly(make_server):
     workers = psutil.Process(srv.proc.pid).children(recursive=True)
     srv.stop(signal.SIGINT)
     assert srv.proc.returncode == 0
-    _, alive = psutil.wait_procs(workers, timeout=10)
-    assert not alive
+    _, alive = psutil.wait_procs(workers, timeout=60)
+    assert not alive, [p.pid for p in alive]
 
 
 def test_lru_eviction_and_restore_with_identical_values(make_server):
@@ -158,14 +169,20 @@ def test_memory_bound_evicts(make_server):
 def test_first_cells_do_not_wait_for_the_warm_up_and_behave_the_same(make_server):
     """A new server answers at once from its cold zygote; those cells still get pandas
     limits, inline figures and IPython.display; then the warm zygote takes over."""
-    srv = make_server(extra_args=["--display-max-rows", "6"])
-    first = srv.execute(
-        "import sys\ncold = 'pandas' not in sys.modules\nimport pandas as pd\n"
-        "from IPython.display import clear_output\nprint('gone'); clear_output()\n"
-        "import matplotlib.pyplot as plt\nplt.plot([1, 2]); plt.show()\nprint('after')\n"
-        "pd.DataFrame({'c': range(20)})", new="first")
-    if srv.execute("cold", state="first")["output"][0]["data"]["text/plain"] != "True":
-        pytest.skip("the warm zygote was up before the first cell: no cold path to test")
+    srv = make_server(extra_args=["--display-max-rows", "6"], wait=False)
+    # The warm zygote is stopped until the first cell ran: that cell surely runs cold.
+    warm = warm_zygote(srv)
+    warm.send_signal(signal.SIGSTOP)
+    try:
+        srv.wait_up()
+        first = srv.execute(
+            "import sys\ncold = 'pandas' not in sys.modules\nimport pandas as pd\n"
+            "from IPython.display import clear_output\nprint('gone'); clear_output()\n"
+            "import matplotlib.pyplot as plt\nplt.plot([1, 2]); plt.show()\n"
+            "print('after')\npd.DataFrame({'c': range(20)})", new="first")
+    finally:
+        warm.send_signal(signal.SIGCONT)
+    assert srv.execute("cold", state="first")["output"][0]["data"]["text/plain"] == "True"
     kinds = [(o["output_type"], sorted(o.get("data", {})) or o.get("text")) for o in
              first["output"]]
     assert kinds == [("display_data", ["image/png", "text/plain"]), ("stream", "after\n"),
@@ -173,11 +190,8 @@ def test_first_cells_do_not_wait_for_the_warm_up_and_behave_the_same(make_server
     assert "[20 rows x 1 columns]" in first["output"][-1]["data"]["text/plain"]
     # Once the warm zygote is up, initial's holder is forked anew from it: pandas is
     # imported there already.
-    deadline = time.monotonic() + 60
-    while srv.execute("import sys\n'pandas' in sys.modules", new="probe")[
-            "output"][0]["data"]["text/plain"] != "True":
-        assert time.monotonic() < deadline, "the warm zygote never took over"
-        time.sleep(0.2)
+    wait_for(lambda: srv.execute("import sys\n'pandas' in sys.modules", new="probe")[
+        "output"][0]["data"]["text/plain"] == "True", "the warm zygote to take over")
 
 
 def test_state_gets_its_holder_without_a_next_request(make_server):
@@ -186,30 +200,32 @@ def test_state_gets_its_holder_without_a_next_request(make_server):
     srv = make_server()
     out = srv.execute("import os\nos.getpid()", new="alone")["output"]
     maker = psutil.Process(int(out[0]["data"]["text/plain"]))
-    deadline = time.monotonic() + 30
-    while not maker.children():
-        assert time.monotonic() < deadline, "no holder forked without a next request"
-        time.sleep(0.02)
+    (holder,) = wait_for(maker.children, "a holder forked without a next request")
+    assert holder.ppid() == maker.pid and holder.is_running()
 
 
 def test_state_whose_maker_died_before_forking_its_holder_is_restored_soon(make_server):
     """The child that made a state dies before it forks the holder (here a cell's at-fork
     hook exits it): the next cell from the state does not wait worker_start_timeout_s
     for a holder that will never connect, but runs in the state restored from the store."""
-    srv = make_server(config="[workers]\nworker_start_timeout_s = 30\n")
+    # worker_start_timeout_s is an hour: waiting it out would outlast the request's own
+    # timeout (a failure), where noticing the dead maker answers at once.
+    srv = make_server(config="[workers]\nworker_start_timeout_s = 3600\n")
     srv.execute("import os\nos.register_at_fork(before=lambda: os._exit(0))\nx = 1",
                 new="hooked")
-    started = time.monotonic()
-    while True:
-        attempt = time.monotonic()
+    answers = []
+
+    def ran():
+        """One try; True once it ran (a try sent while that child was still dying
+        gets WorkerDied: it forks 2 ms after its answer)."""
         answer = srv.execute("print(x + 1)", state="hooked", ok=False)
-        assert time.monotonic() - attempt < 10, answer
-        if answer["error"] is None:
-            break
-        # Sent while that child was still dying (it forks 2 ms after its answer).
-        assert answer["error"]["ename"] == "WorkerDied", answer["error"]
-        assert time.monotonic() - started < 20
-    assert answer["output"][0]["text"] == "2\n"
+        answers.append(answer)
+        assert answer["error"] is None or answer["error"]["ename"] == "WorkerDied", answer
+        return answer["error"] is None
+
+    wait_for(ran, "a cell from the state to run", timeout=120)
+    assert answers[-1]["output"] == [{"output_type": "stream", "name": "stdout",
+                                      "text": "2\n"}]
 
 
 def test_next_cell_runs_in_the_process_that_made_its_state(make_server):
@@ -227,7 +243,7 @@ def test_next_cell_runs_in_the_process_that_made_its_state(make_server):
     assert eval(again)[0] == pids[:1] and eval(again)[1] != pids[0]
     holders = runner.children()  # those of run-a, run-b and run-c, forked by the runner
     for name in ("run-a", "run-b"):
-        assert srv.delete(f"/states/{name}").status_code == 200
+        assert srv.delete(f"/states/{name}").json() == {"deleted": name}
 
     def zombies():
         """How many of the holders have exited and wait to be reaped."""
@@ -238,14 +254,9 @@ def test_next_cell_runs_in_the_process_that_made_its_state(make_server):
         return count
 
     # The deleted states' holders exit; the runner reaps them when it next forks one.
-    deadline = time.monotonic() + 60
-    while zombies() < 2:
-        assert time.monotonic() < deadline, "the deleted states' holders did not exit"
-        time.sleep(0.05)
+    wait_for(lambda: zombies() >= 2, "the deleted states' holders to exit")
     srv.execute("pids.append(os.getpid())", state="run-c", new="run-d")
-    while zombies():
-        assert time.monotonic() < deadline, "the runner left its exited holders unreaped"
-        time.sleep(0.05)
+    wait_for(lambda: not zombies(), "the runner to reap its exited holders")
 
 
 def test_the_warm_up_between_cells_is_not_seen_by_the_users_cell_events(make_server,
@@ -259,11 +270,8 @@ def test_the_warm_up_between_cells_is_not_seen_by_the_users_cell_events(make_ser
                 "lambda result: ran.append(1))", new=state, exec_id="events-0")
     for i in (1, 2):
         # The child that made the state has rehearsed by now (its stamp says so).
-        deadline = time.monotonic() + 30
-        while not any(s["phase"] == "warmed" and s["exec"] == f"events-{i - 1}"
-                      for s in trace.read(path)):
-            assert time.monotonic() < deadline, "no warm-up after the cell"
-            time.sleep(0.05)
+        wait_for(lambda: any(s["phase"] == "warmed" and s["exec"] == f"events-{i - 1}"
+                             for s in trace.read(path)), f"the warm-up after events-{i - 1}")
         out = srv.execute("len(ran)", state=state, new=f"events-{i}", exec_id=f"events-{i}")
         assert out["output"][0]["data"]["text/plain"] == str(i)
         state = f"events-{i}"
@@ -278,20 +286,23 @@ def _leave_state_behind(srv, name):
     return psutil.Process(int(eval(out).split()[0]))
 
 
-def _children_within(process, seconds, other_than=()):
-    """Pids of `process`'s children but `other_than`, waiting up to `seconds` for one."""
-    deadline = time.monotonic() + seconds
-    while True:
-        found = {c.pid for c in process.children()} - set(other_than)
-        if found or time.monotonic() > deadline:
-            return found
-        time.sleep(0.05)
+def _children(process, other_than=()):
+    """Pids of `process`'s children but `other_than`, waiting for one."""
+    return wait_for(lambda: {c.pid for c in process.children()} - set(other_than),
+                    f"a child of {process.pid} (other than {sorted(other_than)})")
 
 
-def _run_in(srv, name):
+def _run_in(srv, name, exec_id=None):
     """(pid, parent pid) of the process that ran a cell from state `name`."""
-    out = srv.execute("assert x == 1\nos.getpid(), os.getppid()", state=name)["output"]
+    out = srv.execute("assert x == 1\nos.getpid(), os.getppid()", state=name,
+                      exec_id=exec_id)["output"]
     return eval(out[0]["data"]["text/plain"])
+
+
+def _forks(path, holder):
+    """Trace stamps of the children `holder` forked (its "spare" stamps), in order."""
+    return sorted((s for s in trace.read(path) if s["phase"] == "spare" and
+                   s["pid"] == holder.pid), key=lambda s: s["t"])
 
 
 def test_state_left_behind_by_a_run_in_order_gets_a_spare_once_quiet(make_server):
@@ -300,31 +311,40 @@ def test_state_left_behind_by_a_run_in_order_gets_a_spare_once_quiet(make_server
     spare_after_quiet_s, the state's holder forks a spare, and a later cell runs in it."""
     srv = make_server(config="[workers]\nspare_after_quiet_s = 0.3\n")
     holder = _leave_state_behind(srv, "left")
-    spares = _children_within(holder, 10)
-    assert spares
+    spares = _children(holder)
     pid, parent = _run_in(srv, "left")
     assert pid in spares and parent == holder.pid
 
 
-def test_state_run_again_before_the_quiet_moment_gets_its_spare_at_once(make_server):
+def test_state_run_again_before_the_quiet_moment_gets_its_spare_at_once(make_server,
+                                                                          tmp_path):
     """A state run from again before the quiet moment forks a child for that cell and
     asks for its deferred spare at once, so the cell after finds one ready."""
-    srv = make_server(config="[workers]\nspare_after_quiet_s = 600\n")
+    path = tmp_path / "trace.jsonl"
+    srv = make_server(config=f'[server]\ntrace_file = "{path}"\n'
+                             "[workers]\nspare_after_quiet_s = 600\n")
     holder = _leave_state_behind(srv, "again")
-    time.sleep(0.5)
-    assert not holder.children()  # deferred: the quiet moment is 10 minutes away
-    first, _ = _run_in(srv, "again")
-    spares = _children_within(holder, 10, other_than={first})
-    assert spares
+    first, _ = _run_in(srv, "again", exec_id="again-1")
+    # Deferred (the quiet moment is 10 minutes away): the holder forked nothing before
+    # that request came, then the cell's child and the spare owed.
+    (request,) = [s for s in trace.read(path) if s["phase"] == "request"
+                  and s["exec"] == "again-1"]
+    forks = wait_for(lambda: len(_forks(path, holder)) >= 2 and _forks(path, holder),
+                     "the holder to fork the cell's child and the owed spare")
+    assert len(forks) == 2 and all(s["t"] > request["t"] for s in forks), (request, forks)
+    spares = _children(holder, other_than={first})
     pid, parent = _run_in(srv, "again")
     assert pid in spares and parent == holder.pid
 
 
-def test_spares_owed_after_a_run_in_order_come_one_at_a_time_last_used_first(make_server):
+def test_spares_owed_after_a_run_in_order_come_one_at_a_time_last_used_first(make_server,
+                                                                               tmp_path):
     """A chain run in order leaves each state but the last owed a spare; once quiet they
     are forked a quiet period apart, the state used last first (forked all at once, they
     held up the next run's first cell)."""
-    srv = make_server(config="[workers]\nspare_after_quiet_s = 0.5\n")
+    path = tmp_path / "trace.jsonl"
+    srv = make_server(config=f'[server]\ntrace_file = "{path}"\n'
+                             "[workers]\nspare_after_quiet_s = 0.5\n")
     srv.execute("import os\nx = 1", new="c0")
     seen, holders = set(), []
     for i in range(1, 4):
@@ -336,17 +356,14 @@ def test_spares_owed_after_a_run_in_order_come_one_at_a_time_last_used_first(mak
         seen |= pids
         assert len(new) == 1
         holders.append(psutil.Process(new.pop()))  # the holder of c{i - 1}
-    first_spare = {}
-    deadline = time.monotonic() + 60
-    while len(first_spare) < len(holders):
-        assert time.monotonic() < deadline, f"spares seen only for {sorted(first_spare)}"
-        for n, holder in enumerate(holders):
-            if n not in first_spare and holder.children():
-                first_spare[n] = time.monotonic()
-        if len(first_spare) == 1:
-            assert list(first_spare) == [2]  # c2's: c3's cell ran from it last
-        time.sleep(0.02)
-    assert first_spare[2] < first_spare[1] < first_spare[0]
+    # Each holder stamps "spare" as it forks one: the order of those stamps is the order
+    # the spares came in.
+    wait_for(lambda: all(_forks(path, holder) for holder in holders),
+             "a spare forked by each holder")
+    first = [_forks(path, holder)[0] for holder in holders]
+    assert [s["exec"] for s in first] == ["c0", "c1", "c2"]
+    # c2's first (c3's cell ran from it last), then c1's, then c0's.
+    assert first[2]["t"] < first[1]["t"] < first[0]["t"], first
 
 
 def _socket_dirs(pid):

@@ -5,13 +5,11 @@ import re
 import shutil
 import subprocess
 import sys
-import threading
-import time
 
 import numpy as np
 import pytest
 
-from conftest import ROOT, Server
+from conftest import ROOT, Server, in_thread, wait_for
 from storage.store import Store, decode_manifest, decode_record, referenced_blobs
 
 BIG_LEN = 500_000  # 4 MB of int64 below 2 ** 40: 4 chunks, each over 256 KiB zstd'ed
@@ -44,15 +42,6 @@ def new_chunks(s3, bucket, before):
     """Keys of the blobs over 256 KiB in `bucket` that are not in `before`."""
     return [k for k, item in s3.objects(bucket, "blobs").items()
             if item["Size"] > 2 ** 18 and k not in before]
-
-
-def wait_for(condition, what, timeout=30):
-    """Wait until condition() is true, or fail naming `what`."""
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            pytest.fail(f"timed out waiting for {what}")
-        time.sleep(0.05)
 
 
 def hashes(srv, state, names):
@@ -108,32 +97,30 @@ def test_a_blob_both_servers_make_is_stored_and_sent_once(s3, pair):
     assert len(after) - len(before) <= 1  # b's own pickle payload at most (the same bytes)
 
 
-def test_rebinding_race_between_two_servers(s3, pair):
+def test_rebinding_race_between_two_servers(s3, pair, gate):
     """Two servers rebinding one name at once: one wins each round, the other gets 409
-    and, having learnt the winner's record, rebinds the name over it when it runs again."""
+    and, having learnt the winner's record, rebinds the name over it when it runs again.
+
+    "At once" is staged: both cells wait at a gate until both run, so both servers
+    looked up the name's record before either publishes its state."""
     bucket, a, b = pair
     a.execute("who = 'first'", new="x")
     b.get("/states")
     conflicts = 0
     for round_ in range(6):
-        answers = {}
-        start = threading.Barrier(2)
+        both = gate(f"round-{round_}")
 
         def rebind(srv, tag):
-            """Run a cell into the name `x` when the other server does too."""
-            start.wait()
-            answers[tag] = srv.post("/execute", {"code": f"who = '{tag}{round_}'",
-                                                 "exec_id": f"{tag}{round_}",
-                                                 "state_name": "initial",
-                                                 "new_state_name": "x"})
-        threads = [threading.Thread(target=rebind, args=(srv, tag))
-                   for srv, tag in ((a, "a"), (b, "b"))]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
+            """Run a cell into the name `x` while the other server does too."""
+            return srv.post("/execute", {"code": both.code + f"who = '{tag}{round_}'",
+                                         "exec_id": f"{tag}{round_}", "state_name": "initial",
+                                         "new_state_name": "x"})
+        running = {tag: in_thread(rebind, srv, tag) for srv, tag in ((a, "a"), (b, "b"))}
+        both.arrived(2)
+        both.open()
+        answers = {tag: done.result(timeout=120) for tag, done in running.items()}
         statuses = sorted(r.status_code for r in answers.values())
-        assert statuses in ([200, 200], [200, 409]), [r.text for r in answers.values()]
+        assert statuses == [200, 409], [r.text for r in answers.values()]
         for tag, r in answers.items():
             if r.status_code == 409:
                 conflicts += 1
@@ -145,7 +132,7 @@ def test_rebinding_race_between_two_servers(s3, pair):
         assert decode_manifest(record)["name"] == "x"  # a whole record, never torn
         ids = {srv.get("/states/x").json()["variables"]["who"]["repr"] for srv in (a, b)}
         assert len(ids) == 1, ids  # both servers see the same binding
-    assert conflicts >= 1
+    assert conflicts == 6
 
 
 def test_async_rebinding_keeps_the_state_made_last(s3, make_server):
@@ -186,7 +173,8 @@ def test_remote_down_then_up_sync(s3, make_server):
     """Sync: while the remote is down an execution fails with 503 and binds nothing,
     here or there; once it is back the same execution succeeds."""
     bucket = s3.bucket()
-    a, b = make_server(config=s3.config(bucket)), make_server(config=s3.config(bucket))
+    config = s3.config(bucket, timeout_s=3.0)  # each request to the paused remote: 3 s
+    a, b = make_server(config=config), make_server(config=config)
     a.execute("x = 1", new="before")
     s3.pause()
     try:
@@ -208,8 +196,9 @@ def test_remote_down_then_up_async_survives_a_restart(s3, make_server, tmp_path)
     the server and is uploaded once the remote is back."""
     bucket = s3.bucket()
     data = tmp_path / "async"
-    a = make_server(data, config=s3.config(bucket, "async"))
-    b = make_server(config=s3.config(bucket))
+    config = s3.config(bucket, "async", timeout_s=3.0)  # each request while paused: 3 s
+    a = make_server(data, config=config)
+    b = make_server(config=s3.config(bucket, timeout_s=3.0))
     a.execute("x = 1", new="before")
     wait_for(lambda: "before" in b.get("/states").json()["states"], "the first upload")
     s3.pause()
@@ -221,7 +210,7 @@ def test_remote_down_then_up_async_survives_a_restart(s3, make_server, tmp_path)
     finally:
         s3.resume()
     assert not {"while-down", "later"} & set(s3.objects(bucket, "names"))
-    a = make_server(data, config=s3.config(bucket, "async"))
+    a = make_server(data, config=config)
     wait_for(lambda: {"while-down", "later"} <= set(b.get("/states").json()["states"]),
              "the queued states on the other server")
     assert b.value("later", "(x, y, int(big.sum()))") == f"(1, 3, {BIG_SUM})"
@@ -250,7 +239,7 @@ def test_gc_with_two_servers_running(s3, pair, make_server, tmp_path):
     b.execute("import numpy as np\ngone = np.ones(400_000)", new="doomed")
     b.execute("kept = 7", state="keep", new="keep2")
     doomed = record_blobs(s3, bucket, "doomed") - record_blobs(s3, bucket, "keep2")
-    assert a.delete("/states/doomed").status_code == 200
+    assert a.delete("/states/doomed").json() == {"deleted": "doomed"}
     before = s3.objects(bucket, "blobs")
     status, out = run_script("scripts/gc_states.py", "--remote", "--config", str(config))
     assert status == 0, out

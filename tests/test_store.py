@@ -7,9 +7,13 @@ import sys
 import threading
 
 import lmdb
+import psutil
+import pytest
+import requests
 
-from conftest import ROOT
-from storage.store import decode_manifest
+from conftest import ROOT, in_thread, wait_for
+from kernel import config
+from storage.store import Store
 
 
 def store_bytes(data_dir):
@@ -95,43 +99,54 @@ def test_small_cell_beside_big_dataframe_adds_little(make_server, tmp_path):
     assert srv.value("masked", "float(df.loc[df[0] > 0.5, 3].max())") == "-1.0"
 
 
-def test_sigkill_during_executions_loses_no_answered_state(make_server, tmp_path):
+def test_sigkill_during_executions_loses_no_answered_state(make_server, tmp_path, gate):
     data = tmp_path / "store"
     srv = make_server(data)
     answered = []
-    stop = threading.Event()
+    killed = threading.Event()
 
-    def stream():
-        """Execute a chain until the server dies, remembering what was answered."""
+    def chain():
+        """Execute a chain until the server dies, remembering what was answered; the
+        error that ended it (any other failure is the thread's, raised to the test)."""
         state, i = "initial", 0
-        while not stop.is_set():
+        while True:
             try:
                 answer = srv.execute(f"v{i} = list(range({i}))", state=state, new=f"k{i}")
-            except Exception:
-                return
+            except requests.ConnectionError as exc:
+                assert killed.is_set(), exc  # only the kill may end the chain
+                return exc
             answered.append(answer["state_name"])
             state, i = answer["state_name"], i + 1
 
-    thread = threading.Thread(target=stream)
-    thread.start()
-    while len(answered) < 15:
-        threading.Event().wait(0.05)
+    ended = in_thread(chain)
+    wait_for(lambda: len(answered) >= 15 or ended.done(), "15 states of the chain")
+    assert not ended.done(), ended.result()  # (raises what ended the chain early)
+    # One execution is surely in flight when the server dies: its cell waits at a gate.
+    stuck = gate()
+    in_flight = in_thread(srv.execute, stuck.code + "never = 1", new="in-flight")
+    (cell,) = stuck.arrived()
+    cell = psutil.Process(cell)
+    killed.set()
     srv.proc.send_signal(signal.SIGKILL)
-    stop.set()
-    thread.join(30)
     srv.proc.wait()
+    assert isinstance(ended.result(timeout=120), requests.ConnectionError)
+    with pytest.raises(requests.ConnectionError, match="aborted"):  # cut off mid-request
+        in_flight.result(timeout=120)
+    cell.kill()  # its server gone, nothing else stops it (it would make its state later)
+    cell.wait(60)
     again = make_server(data)
     listed = set(again.get("/states").json()["states"])
     assert set(answered) <= listed
+    assert "in-flight" not in listed
     last = answered[-1]
     n = int(last[1:])
     assert again.value(last, f"v{n} == list(range({n}))") == "True"
     for name in listed - {"initial"}:
-        assert again.get(f"/states/{name}").status_code == 200
+        assert again.get(f"/states/{name}").json()["name"] == name
     check = subprocess.run([sys.executable, "scripts/check_store.py", "--data-dir", str(data)],
-                           cwd=ROOT, capture_output=True, text=True)
-    if os.path.exists(os.path.join(ROOT, "scripts/check_store.py")):
-        assert check.returncode == 0, check.stdout + check.stderr
+                           cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert check.returncode == 0, check.stdout + check.stderr
+    assert f"checked {len(listed)} state(s)" in check.stdout and "OK" in check.stdout
 
 
 def test_volatile_values_live_on_and_replay_after_restart(make_server, tmp_path):
@@ -230,15 +245,15 @@ def test_state_from_another_python_is_refused_clearly(make_server, tmp_path):
     srv = make_server(data)
     srv.execute("x = [1]", new="old")
     srv.stop()
-    env = lmdb.open(str(data), max_dbs=4)
-    states = env.open_db(b"states")
-    import json
-    with env.begin(write=True) as txn:
-        manifest = decode_manifest(txn.get(b"old", db=states))
+    # The store writes the manifest, in its own format: only the interpreter differs.
+    store = Store(str(data), config.load())
+    try:
+        manifest = store.manifest("old")
         manifest["python"] = "cpython-3.9"
         manifest["id"] = "other-id"
-        txn.put(b"old", json.dumps(manifest).encode(), db=states)
-    env.close()
+        store.put_state("old", manifest, {})
+    finally:
+        store.close()
     again = make_server(data)
     answer = again.execute("x", state="old", ok=False)
     assert answer["error"]["ename"] == "IncompatibleState"

@@ -27,8 +27,8 @@ import time
 
 from jupyter_core.paths import jupyter_data_dir
 
-from kernel.config import ROOT
 from api.client import Client, ServerError
+from kernel import launch
 
 KEEPER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "server_keeper.py")
 # Variables the Jupyter server gives one kernel: not for the cells of every kernel
@@ -112,11 +112,14 @@ class Managed:
         """Start a server on the private store, wait until it answers, write server.json."""
         port = _free_port()
         token = secrets.token_urlsafe(32)
-        command = [sys.executable, os.path.join(ROOT, "main.py"), "--bind", f"127.0.0.1:{port}",
-                   "--data-dir", os.path.join(self.folder, "store")]
+        # The installed command line (main.py's main, as `snapshot-kernel` runs it), with
+        # -P: it starts in the kernel's folder, whose own main.py must not be imported.
+        command = launch.command("from main import main; main()",
+                                 "--bind", f"127.0.0.1:{port}",
+                                 "--data-dir", os.path.join(self.folder, "store"))
         if self.config_file:
             command += ["--config", self.config_file]
-        env = {k: v for k, v in os.environ.items() if k not in _PER_KERNEL_ENV}
+        env = launch.env({k: v for k, v in os.environ.items() if k not in _PER_KERNEL_ENV})
         env["SNAPSHOT_KERNEL_TOKEN"] = token
         log_path = os.path.join(self.folder, "server.log")
         with open(log_path, "ab") as log:

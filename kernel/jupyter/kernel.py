@@ -13,11 +13,11 @@ import asyncio
 import os
 import platform
 import uuid
-from importlib import metadata
 
 from ipykernel.kernelbase import Kernel
 from traitlets import Unicode
 
+from kernel import __version__
 from kernel import config as config_mod
 from kernel.jupyter import introspect, iopub, magics
 from kernel.jupyter.backend import backend
@@ -25,19 +25,11 @@ from api.client import ServerError
 from kernel.jupyter.sessions import Sessions
 
 
-def _version():
-    """This package's version."""
-    try:
-        return metadata.version("snapshot-kernel-server")
-    except metadata.PackageNotFoundError:
-        return "(not installed)"
-
-
 class SnapshotKernel(Kernel):
     """Runs cells on the snapshot server, one new state per cell."""
 
     implementation = "snapshot-kernel"
-    implementation_version = _version()
+    implementation_version = __version__
     language = "python"
     language_version = platform.python_version()
     language_info = {
@@ -189,7 +181,8 @@ class SnapshotKernel(Kernel):
         answer = None
         try:
             events = self._server_call(
-                lambda c: c.execute_streamed(code, exec_id, head, new_name))
+                # Jupyter starts a kernel in its notebook's folder: the cells run there.
+                lambda c: c.execute_streamed(code, exec_id, head, new_name, os.getcwd()))
             for event in events:
                 if event["type"] == "output":
                     relay.output(event["output"])

@@ -1,8 +1,12 @@
-"""`python main.py install-kernelspec`: make the kernel known to Jupyter.
+"""`snapshot-kernel install-kernelspec`: make the kernel known to Jupyter.
 
-The kernelspec runs this checkout's kernel with this interpreter: the
-command puts the checkout first on sys.path itself (not PYTHONPATH in the
-spec's env, which would replace the user's own PYTHONPATH in every cell).
+The kernelspec runs this package's kernel with this interpreter, with -P:
+Jupyter starts a kernel in the notebook's folder, whose own `kernel/` must
+not be imported instead of ours (kernel/launch.py). An installed package
+(a wheel, or `pip install -e .`) needs nothing more; only a checkout that is
+not installed has the command put its folder first on sys.path itself (not
+PYTHONPATH in the spec's env, which would replace the user's own PYTHONPATH
+in every cell).
 """
 
 import json
@@ -12,18 +16,22 @@ import shutil
 import sys
 import tempfile
 
-from kernel.config import ROOT
+from kernel import launch
 
 DEFAULT_NAME = "snapshot"
 DISPLAY_NAME = "Python (snapshot)"
 _NAME = re.compile(r"^[a-zA-Z0-9._-]+$")  # what jupyter_client accepts
-_LAUNCH = ("import sys; sys.path.insert(0, sys.argv.pop(1)); "
-           "from kernel.jupyter.kernel import main; main()")
+_LAUNCH = "from kernel.jupyter.kernel import main; main()"
+_LAUNCH_FROM = "import sys; sys.path.insert(0, sys.argv.pop(1)); " + _LAUNCH
 
 
 def spec(name, config_file=None):
     """The kernel.json of kernelspec `name`."""
-    argv = [sys.executable, "-c", _LAUNCH, ROOT, f"--SnapshotKernel.spec_name={name}"]
+    if launch.needs_home():
+        argv = launch.command(_LAUNCH_FROM, launch.PACKAGE_HOME)
+    else:
+        argv = launch.command(_LAUNCH)
+    argv.append(f"--SnapshotKernel.spec_name={name}")
     if config_file:
         argv.append(f"--SnapshotKernel.config_file={config_file}")
     return {
@@ -48,7 +56,9 @@ def install(name, user=False, prefix=None, config=None):
         from jupyter_client.kernelspec import KernelSpecManager
         import ipykernel  # noqa: F401  (the kernel's base class)
     except ImportError as exc:
-        print(f"error: {exc.name} is missing: pip install -e '.[jupyter]'", file=sys.stderr)
+        print(f"error: {exc.name} is missing: install the jupyter extra "
+              f"(pip install 'snapshot-kernel-server[jupyter]', or pip install -e '.[jupyter]' "
+              f"in a checkout)", file=sys.stderr)
         return 2
     config_file = None
     if config:

@@ -11,8 +11,8 @@ fresh (the run, and one asked for over HTTP), fresh_file (a file's run:
 its checks, promotion, receipt), environment (the explicit environment),
 processes, receipt.
 
-Both: ipynb (.ipynb files in and out), files (atomic writes), command
-(the `run` command).
+Both: ipynb (.ipynb files in and out), command (the `run` command);
+atomic writes and file digests are kernel/files.py.
 """
 
 import sys

@@ -36,9 +36,12 @@ def run(args, settings):
         return _run_fresh(args, settings)
     try:
         _, notebook = ipynb.read(args.notebook)
+        # The cells run in the notebook's folder, as in Jupyter.
+        folder = os.path.abspath(args.cwd or os.path.dirname(os.path.abspath(args.notebook)))
         request = NotebookRequest(os.path.abspath(args.notebook), ipynb.code_cells(notebook),
                                   order=args.order, rerun=args.rerun,
-                                  exec_id=f"run-{os.getpid()}-{os.urandom(4).hex()}")
+                                  exec_id=f"run-{os.getpid()}-{os.urandom(4).hex()}",
+                                  cwd=folder, allow_errors=args.allow_errors)
         progress = Progress(len(request.cells))
         if args.server:
             record = _through_server(args, request, progress)
@@ -54,8 +57,10 @@ def run(args, settings):
         print(f"{PROG}: error: cannot write the notebook: {exc}", file=sys.stderr)
         return EXIT_FAILED
     print(f"wrote {args.output or args.notebook}", file=sys.stderr)
-    succeeded = all(c.status in (CellStatus.RAN, CellStatus.REUSED) for c in record.cells)
-    return EXIT_OK if succeeded else EXIT_FAILED
+    fine = {CellStatus.RAN, CellStatus.REUSED, CellStatus.FAILED_AS_EXPECTED}
+    if args.allow_errors:
+        fine.add(CellStatus.FAILED)
+    return EXIT_OK if all(c.status in fine for c in record.cells) else EXIT_FAILED
 
 
 def _by_index(record, request):
@@ -104,7 +109,8 @@ def _through_server(args, request, progress):
     except ValueError as exc:
         raise Refused(f"--server: {exc}") from None
     body = {"notebook": request.notebook, "order": request.order, "rerun": request.rerun,
-            "exec_id": request.exec_id,
+            "exec_id": request.exec_id, "cwd": request.cwd,
+            "allow_errors": request.allow_errors,
             "cells": [{"id": c.id, "source": c.source, "tags": list(c.tags)}
                       for c in request.cells]}
 
@@ -207,9 +213,9 @@ class Progress:
                 self.bar.set_postfix_str(f"{cell.id}: running", refresh=True)
             return
         line = f"{cell.id}: {cell.status}"
-        if cell.status in (CellStatus.RAN, CellStatus.FAILED):
+        if cell.status in (CellStatus.RAN, CellStatus.FAILED, CellStatus.FAILED_AS_EXPECTED):
             line += f" in {cell.took_s:.2f} s"
-        if cell.status in (CellStatus.FAILED, CellStatus.BLOCKED) and cell.error:
+        if cell.status != CellStatus.RAN and cell.error:
             line += f" ({cell.error['ename']}: {cell.error['evalue'][:80]})"
         if self.bar is None:
             print(line, file=sys.stderr, flush=True)

@@ -9,7 +9,8 @@ that looks like it holds a secret is refused before anything runs.
 
 The interpreter's identity is measured in that environment, by the same
 interpreter started the way the run's zygote is (kernel/worker/process.py
-`worker_env`): what it finds installed is what the notebook can import.
+`worker_env`, kernel/launch.py `command`, the working directory first on
+sys.path): what it finds installed is what the notebook can import.
 """
 
 import hashlib
@@ -19,7 +20,8 @@ import re
 import subprocess
 import sys
 
-from kernel.notebook import files
+from kernel import launch
+from kernel import files
 
 # Parts of a variable name that mark it as a secret (compared without case).
 REFUSED_PARTS = ("SECRET", "TOKEN", "PASSWORD", "KEY", "CREDENTIAL", "PROXY")
@@ -42,6 +44,7 @@ HOME_FOLDERS = {
 # Run in the kernel's interpreter and environment: what it is and what it can import.
 _PROBE = r"""
 import importlib.metadata, json, platform, re, sys
+sys.path.insert(0, "")  # as the zygote does once its own imports are done
 found = {}
 for dist in importlib.metadata.distributions():
     name = re.sub(r"[-_.]+", "-", dist.metadata["Name"] or "").lower()
@@ -110,7 +113,7 @@ def interpreter_identity(env, cwd, timeout):
     subprocess.TimeoutExpired when it takes longer than `timeout`.
     """
     try:
-        done = subprocess.run([sys.executable, "-c", _PROBE], env=env, cwd=cwd,
+        done = subprocess.run(launch.command(_PROBE), env=env, cwd=cwd,
                               stdin=subprocess.DEVNULL, capture_output=True,
                               timeout=max(timeout, 0.01))
     except OSError as exc:

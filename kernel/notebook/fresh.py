@@ -19,7 +19,7 @@ run's processes, polled: kills at once), and the processes the run started
 (kernel/notebook/processes.py), which it kills and reaps at the end,
 whatever happened, within the cleanup allowance. The output retained for the
 whole run is bounded by max_output_bytes: the worker cuts one cell's output
-at that size as it writes (display.max_output_bytes), and the run fails as
+one byte past that size as it writes (display.max_output_bytes), and the run fails as
 soon as a cell's outputs would take the total past it.
 
 A run fails with exactly one category (kernel/notebook/receipt.py
@@ -292,8 +292,10 @@ class FreshRun:
             "workers.spare_children": 0,
             "workers.max_live_states": 1,
             "limits.cell_timeout_s": float(self.limits.cell_timeout_s),
-            "display.max_output_bytes": min(self.settings["display.max_output_bytes"],
-                                            self.limits.max_output_bytes),
+            # One byte past the run's limit: a cell's output cut there is more than
+            # the run may keep, so it fails the run (a cut at display.max_output_bytes,
+            # below the limit, would have let a cell that printed 20 MB pass).
+            "display.max_output_bytes": self.limits.max_output_bytes + 1,
         }
         try:
             self.registry = Registry(dict(self.settings, **overrides), env=env, cwd=cwd)

@@ -14,7 +14,8 @@ outcome, unless its own path is the problem.
 import hashlib
 import os
 
-from kernel.notebook import files, ipynb, receipt
+from kernel import files
+from kernel.notebook import ipynb, receipt
 from kernel.notebook.fresh import FreshRun, Limits, Refused
 
 # Categories that say the command was asked for something it will not do (exit status 2).

@@ -30,6 +30,7 @@ import uuid
 
 from kernel.errors import Conflict, InvalidRequest, KernelError, NotebookNotFound
 from kernel.notebook import analysis, graph as graph_mod, keys as keys_mod, planner
+from kernel.server.registry import check_folder
 from kernel.protocol import ORDERS, WITH_RESULT, CellStatus, NotebookRun, error, now
 from storage.notebooks import NotebookStore
 from storage.store import StoreError, StoreFull
@@ -39,6 +40,7 @@ STATE_PREFIX = "nb-"
 
 def validate(request):
     """Check an incremental run's request; InvalidRequest naming the problem."""
+    check_folder(request.cwd)
     if request.order not in ORDERS:
         raise InvalidRequest(f"unknown order {request.order!r}: use "
                              f"{' or '.join(repr(o) for o in ORDERS)}")
@@ -69,6 +71,8 @@ class _Run:
                                   [dataclasses.replace(c) for c in request.cells],
                                   order_kind=request.order, exec_id=exec_id)
         self.sources = [c.source for c in request.cells]
+        self.cwd = request.cwd
+        self.allow_errors = request.allow_errors
         self.stop = threading.Event()  # set by an interrupt
         self.results = {}  # cell key -> result, stored when the run ends
         self.last_final = []  # see NotebookRunner._last_final
@@ -186,7 +190,8 @@ class NotebookRunner:
             self.analysed[run.name] = dict(zip(run.sources, run.analyses))
         ids = [c.id for c in run.record.cells]
         run.graph = graph_mod.build(ids, run.analyses, request.order)
-        run.keys = planner.cell_keys(run.graph, run.sources, run.analyses, self.environment)
+        run.keys = planner.cell_keys(run.graph, run.sources, run.analyses, self.environment,
+                                     run.cwd)
         run.stored = self._stored(k for k in run.keys.values() if k)
         run.plan = planner.plan(run.graph, run.keys,
                                 {k: set(r["volatile"]) for k, r in run.stored.items()},
@@ -251,16 +256,23 @@ class NotebookRunner:
                 result = stored[keys[i]]
                 run.states[i] = (result["state"], result["provenance"], set(result["volatile"]))
                 run.previous = i
+                # A stored expected failure keeps its error (its outputs show it).
                 done(i, status=CellStatus.REUSED, took_s=0.0, outputs=result["outputs"],
-                     execution_count=result["execution_count"], state_name=result["state"])
+                     execution_count=result["execution_count"], state_name=result["state"],
+                     error=result.get("error"))
                 continue
             done(i, status=CellStatus.RUNNING)
             started = time.monotonic()
             after = following.get(i)
+            # A cell that may fail (allow_errors, or tagged raises-exception) keeps what it
+            # did before it raised, for the cells after it, as a live kernel does.
+            may_fail = run.allow_errors or run.record.cells[i].may_raise
             answer, failure = self._execute(run, i, keep_live=after not in plan.run or
-                                            after in graph.blocked)
+                                            after in graph.blocked, keep_on_error=may_fail)
             took = round(time.monotonic() - started, 6)
-            if failure is not None:
+            went_on = failure is not None and may_fail and answer.get("state_name") and \
+                not run.stop.is_set()
+            if failure is not None and not went_on:
                 failed.add(i)
                 done(i, status=CellStatus.FAILED, took_s=took,
                      outputs=answer.get("output") or [], error=failure,
@@ -269,16 +281,35 @@ class NotebookRunner:
             state = answer["state_name"]
             run.states[i] = (state, answer["provenance"], set(answer["volatile_symbols"] or ()))
             run.previous = i
-            run.results[keys[i]] = _result(
-                keys[i], "cell", state, answer["provenance"], outputs=answer["output"],
-                execution_count=answer["execution_count"],
-                volatile=answer["volatile_symbols"] or [], took_s=took)
-            done(i, status=CellStatus.RAN, took_s=took, outputs=answer["output"],
+            expected = run.record.cells[i].may_raise
+            if failure is None or expected:
+                # A failure allow_errors let pass is not a result: the next run tries
+                # the cell again (and so its dependents); an expected one is.
+                run.results[keys[i]] = _result(
+                    keys[i], "cell", state, answer["provenance"], outputs=answer["output"],
+                    execution_count=answer["execution_count"],
+                    volatile=answer["volatile_symbols"] or [], took_s=took, error=failure)
+            if failure is None and expected:
+                self._note_no_error(run, i)
+            status = CellStatus.RAN if failure is None else (
+                CellStatus.FAILED_AS_EXPECTED if expected else CellStatus.FAILED)
+            done(i, status=status, took_s=took, outputs=answer["output"], error=failure,
                  execution_count=answer["execution_count"], state_name=state)
 
-    def _execute(self, run, i, keep_live=True):
+    def _note_no_error(self, run, i):
+        """Say in the run's diagnostics that cell i is tagged raises-exception but did
+        not raise."""
+        cell_id = run.record.cells[i].id
+        with self.lock:
+            run.record.diagnostics.append({
+                "kind": "no_error_raised", "cells": [cell_id], "names": [],
+                "message": f"cell {cell_id!r} is tagged raises-exception but raised no "
+                           f"error"})
+
+    def _execute(self, run, i, keep_live=True, keep_on_error=False):
         """Run cell i in a state composed for it; returns (answer, error or None).
-        `keep_live` False: its state gets no holder (protocol.Execute)."""
+        `keep_live` False: its state gets no holder; `keep_on_error`: a failing cell
+        still makes its state (protocol.Execute)."""
         needs = run.graph.needs[i]
         required, sourced = planner.required_versions(needs, run.states)
         volatile = {n for n, p in needs.items() if p is not None and n in run.states[p][2]}
@@ -293,12 +324,14 @@ class NotebookRunner:
                 return {}, error("KeyboardInterrupt", "the run was interrupted")
             answer = self.registry.execute(run.sources[i], run.exec_id, base,
                                            f"{STATE_PREFIX}{run.keys[i]}",
-                                           keep_live=keep_live, cancel=run.stop).to_json()
-            if answer["error"] is not None:
+                                           keep_live=keep_live, cancel=run.stop,
+                                           cwd=run.cwd, fresh_imports=True,
+                                           keep_on_error=keep_on_error).to_json()
+            if answer["state_name"] is None:
                 return answer, answer["error"]
             answer["provenance"] = self._provenance(answer, base, provenance, run.keys[i],
                                                     run.analyses[i], run.graph.changes[i])
-            return answer, None
+            return answer, answer["error"]
         finally:
             for temp in temps:
                 self._forget(temp)
@@ -438,11 +471,12 @@ class NotebookRunner:
 
 
 def _result(key, kind, state, provenance, outputs=(), execution_count=None, volatile=(),
-            took_s=None):
-    """A stored result: what a cell with key `key` (or a composition) gave."""
+            took_s=None, error=None):
+    """A stored result: what a cell with key `key` (or a composition) gave (`error`: the
+    error of a cell tagged raises-exception, which raised as expected)."""
     return {"key": key, "kind": kind, "state": state, "outputs": list(outputs),
             "execution_count": execution_count, "volatile": list(volatile),
-            "provenance": provenance, "took_s": took_s, "created": now()}
+            "provenance": provenance, "took_s": took_s, "created": now(), "error": error}
 
 
 class _ComposeFailed(Exception):

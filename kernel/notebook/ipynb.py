@@ -12,7 +12,7 @@ import warnings
 
 import nbformat
 
-from kernel.notebook import files
+from kernel import files
 from kernel.protocol import CellStatus, NotebookCell
 
 
@@ -72,8 +72,10 @@ def executed(notebook, cells):
         ran = by_index[n]
         outputs = [nbformat.from_dict(o) for o in ran.outputs or []]
         error = ran.error
-        if error is not None and (ran.status == CellStatus.FAILED or (
-                ran.status == CellStatus.BLOCKED and error["ename"] == "SyntaxError")):
+        # A failed cell shows its error (also one tagged raises-exception, reused or
+        # not); a blocked one only a syntax error of its own.
+        if error is not None and (ran.status != CellStatus.BLOCKED
+                                  or error["ename"] == "SyntaxError"):
             outputs.append(nbformat.v4.new_output("error", ename=error["ename"],
                                                   evalue=error["evalue"],
                                                   traceback=error["traceback"]))

@@ -6,7 +6,10 @@ imports a module outside the standard library, and, for every name the
 cell needs, the key of the cell whose state gives it (so the keys of its
 inputs). Not its position: moving a cell changes no key unless it changes
 what the cell reads, and an import added to another cell changes only that
-cell's key.
+cell's key. A cell that imports a module from the notebook's folder (a
+`helpers.py` beside it, or a package folder) also hashes that module's
+files, so an edit of `helpers.py` runs again the cells that import it and,
+through their keys, their dependents.
 """
 
 import hashlib
@@ -89,17 +92,46 @@ def _name_and_version(dist):
     return dist.metadata["Name"] or "", dist.version
 
 
-def cell_key(source, analysis, needs, input_keys, environment):
+def cell_key(source, analysis, needs, input_keys, environment, folder=None):
     """The key of a cell.
 
     `needs` maps each name it needs to the key of the cell whose state gives
-    it (None: no cell does), `input_keys` are the keys of its inputs and
-    `environment` is the Environment.
+    it (None: no cell does), `input_keys` are the keys of its inputs,
+    `environment` is the Environment and `folder` the notebook's folder.
     """
     parts = {"source": source, "interpreter": INTERPRETER,
              "environment": environment.digest() if imports_third_party(analysis) else None,
              "needs": sorted(needs.items()), "inputs": sorted(set(input_keys))}
+    local = local_modules(analysis, folder)
+    if local:
+        parts["local_modules"] = local
     return _sha(json.dumps(parts, sort_keys=True))
+
+
+def local_modules(analysis, folder):
+    """{module: SHA-256 of its files} of the modules the cell imports that are files
+    of the notebook's folder (`name.py`, or a package folder `name/`)."""
+    if folder is None:
+        return {}
+    found = {}
+    for module in sorted({m.split(".")[0] for m in analysis.imports if not m.startswith(".")}):
+        path = os.path.join(folder, module)
+        if os.path.isfile(path + ".py"):
+            files = [path + ".py"]
+        elif os.path.isfile(os.path.join(path, "__init__.py")):
+            files = sorted(os.path.join(root, name) for root, _, names in os.walk(path)
+                           for name in names if name.endswith(".py"))
+        else:
+            continue
+        digest = hashlib.sha256()
+        for file in files:
+            try:
+                with open(file, "rb") as f:
+                    digest.update(os.path.relpath(file, folder).encode() + b"\0" + f.read())
+            except OSError:
+                digest.update(os.path.relpath(file, folder).encode() + b"\0unreadable")
+        found[module] = digest.hexdigest()
+    return found
 
 
 def composition_key(sources):

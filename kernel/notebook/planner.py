@@ -28,8 +28,9 @@ from storage import snapshot
 UNKNOWN = "?"
 
 
-def cell_keys(graph, sources, analyses, environment):
-    """{position: key} in execution order; None for a cell that cannot run."""
+def cell_keys(graph, sources, analyses, environment, folder=None):
+    """{position: key} in execution order; None for a cell that cannot run. `folder`:
+    the notebook's, whose module files the cells importing them hash too."""
     found = {}
     for i in graph.order:
         if i in graph.blocked:
@@ -37,7 +38,7 @@ def cell_keys(graph, sources, analyses, environment):
             continue
         needs = {n: None if p is None else found[p] for n, p in graph.needs[i].items()}
         found[i] = keys_mod.cell_key(sources[i], analyses[i], needs,
-                                     [found[p] for p in graph.inputs[i]], environment)
+                                     [found[p] for p in graph.inputs[i]], environment, folder)
     return found
 
 

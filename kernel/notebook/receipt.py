@@ -9,13 +9,11 @@ every receipt to it before it leaves the process.
 
 import functools
 import json
-import os
-import tomllib
 
 import fastjsonschema
 
-from kernel.config import ROOT
-from kernel.notebook import files
+from kernel import __version__
+from kernel import files
 from kernel.protocol import FRESH_STATUSES, CellStatus
 
 FORMAT = 1
@@ -111,10 +109,8 @@ SCOPE = {"processes": "observed", "network_isolation": "UNAVAILABLE",
 
 
 def package():
-    """{name, version} of this package, from its pyproject.toml (the code that runs)."""
-    with open(os.path.join(ROOT, "pyproject.toml"), "rb") as f:
-        project = tomllib.load(f)["project"]
-    return {"name": project["name"], "version": project["version"]}
+    """{name, version} of this package (the code that runs, installed or not)."""
+    return {"name": "snapshot-kernel-server", "version": __version__}
 
 
 def build(run, source, output=None, lock=None, cwd=None):

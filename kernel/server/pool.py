@@ -14,12 +14,10 @@ import os
 import queue
 import signal
 import subprocess
-import sys
 import threading
 import time
 
-from kernel import protocol
-from kernel.config import ROOT
+from kernel import launch, protocol, trace
 from kernel.server.connections import Connections
 from kernel.worker.process import worker_env
 
@@ -178,12 +176,16 @@ class Pool:
             raise WorkerError("WorkerStartFailed", "the worker pool is closed")
         env = worker_env(os.environ if self.env is None else self.env)
         out = open(self.settings["server.log_file"] or os.devnull, "ab")
+        # Started with -P (our packages are imported before the working directory is on
+        # sys.path); then the working directory goes first on sys.path as `python -c`
+        # and ipykernel put it, so cells import the modules beside their notebook.
         code = ("import json, sys\nfrom kernel.worker.zygote import zygote_main\n"
+                "sys.path.insert(0, '')\n"
                 "zygote_main(sys.argv[1], json.loads(sys.argv[2]))")
+        # Without a cwd of its own (fresh runs give one) it works in the server's.
         self.zygote_proc = subprocess.Popen(
-            [sys.executable, "-c", code, self.connections.sock_path, json.dumps(self.settings)],
-            stdin=subprocess.DEVNULL, stdout=out, stderr=out, env=env,
-            cwd=ROOT if self.cwd is None else self.cwd,
+            launch.command(code, self.connections.sock_path, json.dumps(self.settings)),
+            stdin=subprocess.DEVNULL, stdout=out, stderr=out, env=env, cwd=self.cwd,
             start_new_session=True)
         out.close()
 
@@ -201,6 +203,7 @@ class Pool:
                     for live in [s for s in self.live.values() if s.cold]:
                         del self.live[live.state_id]
                         self._stop(live)
+                trace.stamp("zygote", "warm" if hello.warm else "cold")  # read by tests
             elif hello.role == protocol.HOLDER and hello.req is not None:
                 waiter = self.restores_waiting.pop(hello.req, None)
                 if waiter is None:

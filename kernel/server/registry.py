@@ -7,6 +7,7 @@ go through the cell runs (cell_runs.py) to children of the live holders.
 """
 
 import logging
+import os
 import threading
 import uuid
 
@@ -14,6 +15,7 @@ from kernel import protocol, trace
 from kernel.errors import Conflict, InvalidRequest, RequestFailed, StateNotFound
 from kernel.protocol import ExecuteAnswer
 from kernel.server.pool import Pool
+from kernel.files import sha256_file
 from kernel.server.cell_runs import CellRuns
 from storage import snapshot
 from storage.cache import open_store
@@ -135,7 +137,13 @@ class Registry:
                 "modules": m["modules"], "parent": m["parent"],
                 "execution_count": m["execution_count"],
                 "volatile_symbols": sorted(m["volatile"]),
-                "live": m["id"] in self.pool.live_ids(), "python": m["python"]}
+                "live": m["id"] in self.pool.live_ids(), "python": m["python"],
+                # A state made before any cell chose a folder runs in the server's.
+                "cwd": m.get("cwd") or self.pool.cwd or os.getcwd(),
+                "context": sorted(m.get("context") or {}),
+                # Attributes cells set on modules whose values could not be stored.
+                "unkept": m.get("unkept") or [],
+                "local_modules": _local_modules(m)}
 
     def symbol_hashes(self, name, symbols, hash_algo=None):
         """Stored hashes of `symbols` in state `name` (None where absent)."""
@@ -184,14 +192,18 @@ class Registry:
     # Requests that run code --------------------------------------------------
 
     def execute(self, code, exec_id, state_name, new_name=None, on_output=None,
-                keep_live=True, cancel=None):
+                keep_live=True, cancel=None, cwd=None, fresh_imports=False,
+                keep_on_error=False):
         """Run `code` from `state_name`; on success name the new state `new_name`.
 
         Returns the ExecuteAnswer; `on_output(item)` receives the outputs as
         the cell produces them (the NDJSON lines of a streamed answer).
         `keep_live` False: the new state gets no holder (protocol.Execute).
         `cancel`: a threading.Event; set before the cell starts, the cell is
-        interrupted as it starts (after, interrupt(exec_id) stops it).
+        interrupted as it starts (after, interrupt(exec_id) stops it). `cwd`:
+        the notebook's folder (protocol.Execute's `home`): an absolute path to
+        a folder, else InvalidRequest. `fresh_imports`, `keep_on_error`:
+        protocol.Execute's.
         """
         manifest = self._lookup(state_name)
         with self.lock:
@@ -199,9 +211,12 @@ class Registry:
         if manifest is None:
             return ExecuteAnswer.failed(protocol.error("StateNotFound", state_name))
         _check_new_name(new_name)
+        check_folder(cwd)
         request = protocol.Execute(code=code, new_name=new_name or uuid.uuid4().hex,
                                    auto_named=new_name is None, exec_id=_key(exec_id),
-                                   stream=on_output is not None, keep_live=keep_live)
+                                   stream=on_output is not None, keep_live=keep_live,
+                                   home=cwd, fresh_imports=fresh_imports,
+                                   keep_on_error=keep_on_error)
         result, child = self.cell_runs.run(manifest, request, on_output, cancel)
         answer = result.answer
         self._raise_store_error(answer.error, request.new_name)
@@ -306,6 +321,32 @@ class Registry:
 # The store's errors a worker reports by name, raised again here.
 _STORE_ERRORS = {cls.__name__: cls for cls in (StoreFull, StoreCorrupt, RemoteUnavailable,
                                                NameConflict)}
+
+
+def check_folder(cwd):
+    """Refuse (InvalidRequest) a working directory that is not an absolute path to a
+    folder on this machine; None passes."""
+    if cwd is None:
+        return
+    if not os.path.isabs(cwd):
+        raise InvalidRequest(f"cwd must be an absolute path on the server, not {cwd!r}")
+    if not os.path.isdir(cwd):
+        raise InvalidRequest(f"cwd {cwd!r} is not a folder on the server")
+
+
+def _local_modules(manifest):
+    """The modules a state imported from files of the user's, as GET /states/NAME shows
+    them: {name: {path, sha256, changed}}, `changed` when the file is no longer the
+    one imported (or is gone)."""
+    found = {}
+    for module, (path, sha) in sorted((manifest.get("local_modules") or {}).items()):
+        try:
+            changed = sha256_file(path) != sha
+        except OSError:
+            changed = True
+        found[module] = {"path": path, "sha256": sha, "changed": changed}
+    return found
+
 
 
 def _check_new_name(name):

@@ -18,7 +18,7 @@ import types
 from kernel import protocol, trace
 from kernel.channel import ChannelClosed
 from kernel.protocol import ExecuteAnswer
-from kernel.worker import execution, limits, reads, replay
+from kernel.worker import context, execution, limits, reads, replay
 from kernel.worker.process import fork_worker, user_names
 from storage import snapshot
 from storage.store import StoreError
@@ -112,8 +112,13 @@ class CellChild:
                 protocol.error(type(exc).__name__, str(exc), []), count))
         before = {n: namespace[n] for n in user_names(namespace)}
         names_before = state.state_names()
+        note = self.context_note(msg)
+        home = self.move_home(msg.home)
+        if msg.fresh_imports:
+            context.forget_changed_modules()
         outputs, error = limits.run_limited(cell, namespace, count, state.settings,
                                             self.sink(msg))
+        outputs = note + outputs
         trace.stamp("ran", msg.exec_id)
         after = user_names(namespace)
         rebound = {n for n in after if n not in before or before[n] is not namespace[n]}
@@ -123,14 +128,15 @@ class CellChild:
                                accessed_symbols=sorted(found.reads & names_before),
                                modified_symbols=sorted(modified),
                                deleted_symbols=sorted(deleted))
-        if error is not None:
+        if error is not None and not msg.keep_on_error:
             return None, protocol.CellResult(answer)
+        context.watch_attribute_writes(cell.codes, namespace)
         self.channel.send(protocol.Phase("saving"))
         touched = found.reads | found.writes | modified | deleted
         if found.dynamic:
             touched |= names_before | after
         try:
-            manifest = self.save(msg, count, touched, after, rebound)
+            manifest = self.save(msg, count, touched, after, rebound, home)
         except StoreError as exc:  # StoreFull among them: the server answers 507
             answer.error = protocol.error(type(exc).__name__, str(exc), [])
             return None, protocol.CellResult(answer)
@@ -139,11 +145,27 @@ class CellChild:
         answer.volatile_symbols = sorted(manifest["volatile"])
         return manifest, protocol.CellResult(answer, manifest)
 
-    def save(self, msg, count, touched, present, rebound):
+    def move_home(self, folder):
+        """The notebook folder the new state belongs to: `folder` when given, moving
+        there first if the state's lineage started elsewhere; the state's own else.
+
+        The cell runs in `folder` unless an earlier cell of the lineage chose
+        another working directory (os.chdir, %cd), as a live kernel would.
+        """
+        home = self.state.manifest.get("home")
+        if folder is None or folder == home:
+            return home
+        if home is None or os.getcwd() == home:
+            os.chdir(folder)
+        return folder
+
+    def save(self, msg, count, touched, present, rebound, home):
         """Write the new state: dirty groups re-pickled, the others carried.
-        `rebound`: the names the cell bound to another object (or made)."""
+        `rebound`: the names the cell bound to another object (or made); `home`:
+        the notebook folder of the state (move_home)."""
         parent = self.state.manifest
         manifest = snapshot.new_manifest(msg.new_name, parent, msg.code, count, msg.auto_named)
+        manifest["home"] = home
         carried, replaced, dirty = [], [], set()
         for group in parent["groups"]:
             if touched.isdisjoint(group["members"]):
@@ -160,8 +182,37 @@ class CellChild:
         records = snapshot.save_groups(store, manifest, self.state.namespace, sorted(dirty),
                                        self.state.settings, class_tag=tag, parent=parent,
                                        rebound=rebound)
+        made_context = self.save_context(store, manifest, records)
         snapshot.commit(store, manifest, records, replaced)
+        self.state.context = made_context
         return manifest
+
+    def save_context(self, store, manifest, records):
+        """Put the process context as the cell left it into the new state's manifest,
+        and its changed values into `records`; returns it (kernel/worker/context.py)."""
+        made, payloads = context.capture(self.state.context, self.state.settings)
+        for key in store.missing(payloads) - records.keys():
+            records[key] = payloads[key]
+        manifest["context"] = context.keys(made)
+        manifest["cwd"] = made["cwd"][1]
+        manifest["local_modules"] = (made.get("local_modules") or (None, {}))[1]
+        manifest["unkept"] = (made.get("module_attributes") or (None, {}))[1].get("unkept", [])
+        return made
+
+    def context_note(self, msg):
+        """[the output that says what a restore of this state could not apply as it
+        was (a module file that changed since, say)], sent first when streamed; []
+        when there is nothing to say. Said once, by the first cell after the restore."""
+        warnings, self.state.context_warnings = self.state.context_warnings, []
+        if not warnings:
+            return []
+        note = {"output_type": "stream", "name": "stderr",
+                "text": "".join(f"Warning: the restored state differs from the one saved: "
+                                f"{w}\n" for w in warnings)}
+        sink = self.sink(msg)
+        if sink is not None:
+            sink({"type": "output", "output": note})
+        return [note]
 
     def fork_holder(self):
         """Fork the idle holder of the state this process just made.

@@ -17,10 +17,10 @@ import traceback
 
 from kernel import protocol, trace
 from kernel.channel import ChannelClosed
-from kernel.worker import replay
+from kernel.worker import context, replay
 from kernel.worker.process import WorkerProcess, core_free, fork_worker
 from storage import snapshot
-from storage.store import encode_manifest
+from storage.store import StoreCorrupt, encode_manifest
 
 # A spare child warms up only after this long without a request (see StateHolder.warm).
 WARM_AFTER_S = 0.05
@@ -41,6 +41,10 @@ class StateHolder(WorkerProcess):
         self.unloaded_modules = set(manifest["modules"])
         self.load_in_background = True
         self.forks_deferred = 0  # replacement spares to fork once the state is loaded
+        # The process context as of this state ({provider: (blob key, value)}, see
+        # kernel/worker/context.py), and what a restore could not apply as it was.
+        self.context = {}
+        self.context_warnings = []
 
     # Loading -------------------------------------------------------------
 
@@ -119,6 +123,15 @@ class StateHolder(WorkerProcess):
             os._exit(1)
         except Exception:
             os._exit(1)
+        # Before any value is loaded: the folder, sys.path and the modules imported from
+        # files must be in place for the values that refer to them.
+        try:
+            self.context, self.context_warnings = context.restore(
+                self.manifest, self.store(), self.settings)
+        except StoreCorrupt as exc:
+            self.channel.send(protocol.Failed("StoreCorrupt", f"state "
+                                              f"{self.manifest['name']!r}: {exc}"))
+            os._exit(1)
         wake = self.reaper()
         self.channel.send(protocol.Ready(self.manifest["id"]))
         self.serve(wake, self.settings["workers.spare_children"])
@@ -158,6 +171,7 @@ class StateHolder(WorkerProcess):
 
     def fork_child(self):
         """Fork a spare child that waits, warmed, for a request to run."""
+        trace.stamp("spare", self.manifest["name"])  # tests read which holder forked when
         # Objects inherited from now on are out of the cyclic GC's reach in the child,
         # so a collection there does not write to (and copy) every page of the state.
         gc.freeze()

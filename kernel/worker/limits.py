@@ -11,7 +11,7 @@ Two layers enforce `limits.max_cell_memory_mb` and `limits.max_cell_processes`:
   the cell's process moves into a cgroup of its own with
   pids.max = limit + 1 (its own process included; threads count as tasks
   too), so fork() past the limit fails with EAGAIN (BlockingIOError).
-- In the server, every 0.25 s (kernel/server/supervisor.py): the private
+- In the server, every 0.25 s (kernel/server/cell_runs.py): the private
   resident memory of the cell's process (what it allocated or copied, not
   the pages it shares with its state's holder) and the number of processes
   in its process group. Past a limit the cell is killed (MemoryLimit,

@@ -7,12 +7,12 @@ opens its own channel to the server's Unix socket and its own store handle.
 
 import ctypes
 import os
+import random
 import signal
 import types
 
-from kernel import protocol, trace
+from kernel import launch, protocol, trace
 from kernel.channel import Channel
-from kernel.config import ROOT
 from storage import snapshot
 from storage.cache import open_store
 
@@ -32,10 +32,9 @@ def prctl(option, value):
 
 def worker_env(base):
     """The environment a zygote is spawned with: `base`, a fixed hash seed (stable
-    pickles and hashes), the Agg backend, and this repository first on PYTHONPATH."""
-    env = dict(base, PYTHONHASHSEED="0", MPLBACKEND="Agg")
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [ROOT, env.get("PYTHONPATH")]))
-    return env
+    pickles and hashes), the Agg backend, and the folder of our packages on
+    PYTHONPATH if it needs it to find them (kernel/launch.py)."""
+    return launch.env(dict(base, PYTHONHASHSEED="0", MPLBACKEND="Agg"))
 
 
 def core_free():
@@ -86,7 +85,12 @@ def fork_worker(role):
     group (the server's, of a cell's child and what its cell left, once the
     cell made no state) would kill it too. A holder killed before it
     connected left its state waiting for it a whole worker_start_timeout_s.
+
+    The `random` module reseeds its generator in every forked child; a worker
+    is the state it was forked from, so it takes the parent's generator back
+    (a cell after `random.seed(0)` must draw what it would in Jupyter).
     """
+    generator = random.getstate()
     pid = os.fork()
     if pid:
         try:
@@ -101,6 +105,7 @@ def fork_worker(role):
     _wake_fds.clear()
     signal.signal(signal.SIGCHLD, signal.SIG_DFL)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    random.setstate(generator)
     trace.after_fork(role)
     return 0
 

@@ -17,7 +17,7 @@ import signal
 
 from kernel import protocol, trace
 from kernel.channel import ChannelClosed
-from kernel.worker import limits
+from kernel.worker import context, limits
 from kernel.worker.process import (PR_SET_CHILD_SUBREAPER, PR_SET_PDEATHSIG, WorkerProcess,
                                    fork_worker, fresh_main, prctl)
 from storage import remote
@@ -30,6 +30,7 @@ def zygote_main(sock_path, settings):
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     os.environ["MPLBACKEND"] = "Agg"
     trace.configure(settings, "zygote")
+    context.remember_base()
     limits.init_zygote()
     from kernel.worker import execution, holder  # every holder runs cells: imported once, here
     execution.capture.watch_imports()
@@ -40,6 +41,7 @@ def zygote_main(sock_path, settings):
         prctl(PR_SET_CHILD_SUBREAPER, 1)
         trace.after_fork("zygote")
         _warm(settings)
+        context.remember_base()  # its own random generator: a fork reseeds it
     namespace = fresh_main()
     proc = WorkerProcess(sock_path, settings)
     proc.connect(protocol.ZYGOTE, warm=warm)

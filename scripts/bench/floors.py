@@ -201,8 +201,47 @@ def _durable_write_seconds(folder, size):
     return time.perf_counter() - start
 
 
+# A worker's process context captured after a cell (kernel/worker/context.py), in a
+# process with what a warm worker imports: nothing changed, then one item changed.
+_CONTEXT_CAPTURE = r"""
+import json, random, sys, time
+import numpy, pandas, matplotlib; matplotlib.use("Agg"); import matplotlib.pyplot
+from kernel import config
+from kernel.worker import context
+from kernel.worker.capture import shell
+shell.get_shell()
+settings = config.load()
+context.remember_base()
+state, _ = context.capture({}, settings)
+
+def per_call(change, n=300):
+    # CPU time: on a shared machine the wall clock also counts the waits for a core.
+    best = []
+    for _ in range(7):
+        start = time.process_time()
+        for _ in range(n):
+            change()
+            context.capture(state, settings)
+        best.append((time.process_time() - start) / n)
+    return sorted(best)[len(best) // 2]
+
+print(json.dumps({"unchanged": per_call(lambda: None),
+                  "random": per_call(random.random),
+                  "rcParams": per_call(lambda: matplotlib.rcParams.__setitem__(
+                      "lines.linewidth", random.random()))}))
+"""
+
+
+def _context_capture():
+    """Seconds a context capture takes: {unchanged, random, rcParams} (medians)."""
+    done = subprocess.run([sys.executable, "-c", _CONTEXT_CAPTURE], capture_output=True,
+                          text=True, check=True)
+    return json.loads(done.stdout)
+
+
 def wl_floors(peers, p, table, details, keep):
-    """(fl) The floors under a trivial cell's round trip and under a large first save."""
+    """(fl) The floors under a trivial cell's round trip and under a large first save, and
+    what capturing a state's process context costs a cell."""
     folder = peers["ours"].dir  # beside its store
     for pause in (0.0, PAUSE_S):
         when = "back to back" if pause == 0 else f"{PAUSE_S} s pause before each"
@@ -229,6 +268,12 @@ def wl_floors(peers, p, table, details, keep):
                   f"({when}; a's target: ≤ 3 ms)", {"ours": sum(floors.values())})
         table.add("fl", f"fork() of a process with a holder's imports ({when}); a cell run "
                   "back to back waits for one", {"ours": fork})
+    capture = _context_capture()
+    table.add("fl", "process context captured after a cell, nothing in it changed (CPU "
+              "time; issue 25's target: < 0.2 ms)", {"ours": capture["unchanged"]})
+    table.add("fl", "process context captured after a cell that drew a random number / "
+              "changed an rcParam (CPU time; < 1 ms)",
+              {"ours": max(capture["random"], capture["rcParams"])})
     size = 2 ** 30 if p["mode"] == "full" else 2 ** 28
     seconds = _durable_write_seconds(folder, size)
     label = "1 GiB" if size == 2 ** 30 else "256 MiB"

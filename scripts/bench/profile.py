@@ -21,10 +21,7 @@ import time
 
 from bench.peers import Ours
 from bench.workloads import MB, READS, UPDATE_SETUP, frame_cell
-from harness import ROOT
-
-sys.path.insert(0, ROOT)  # this checkout's kernel/, not an installed one
-from kernel import trace  # noqa: E402
+from kernel import trace
 
 # What happens before a stamp of each phase, from the usual stamp before it.
 PHASES = {

@@ -34,10 +34,7 @@ import time
 
 from bench.peers import Ours, added_bytes
 from bench.report import fmt_ms, fmt_size, median
-from harness import ROOT
-
-sys.path.insert(0, ROOT)  # this checkout's kernel/, not an installed one
-from kernel import trace  # noqa: E402
+from kernel import trace
 
 MB = 10 ** 6
 SIZES = {"quick": [0, 10 * MB, 100 * MB], "full": [0, 10 * MB, 100 * MB, 1000 * MB, 4000 * MB]}

@@ -11,6 +11,7 @@ imports it.
 import contextlib
 import importlib.abc
 import importlib.util
+import os
 import sys
 
 from kernel.worker.capture import collector, figures, shell
@@ -40,12 +41,12 @@ def configure_pandas(settings):
 
 
 class _AfterImport(importlib.abc.MetaPathFinder):
-    """Runs `then` right after module `name` is first imported, then leaves sys.meta_path."""
+    """Runs the functions of _ON_IMPORT[name] right after module `name` is first
+    imported (those added meanwhile too), then leaves sys.meta_path."""
 
-    def __init__(self, name, then):
+    def __init__(self, name):
         """Wait for `name`."""
         self.name = name
-        self.then = then
 
     def find_spec(self, fullname, path=None, target=None):
         """Find `name` with the other finders and wrap its loader's exec_module."""
@@ -60,27 +61,52 @@ class _AfterImport(importlib.abc.MetaPathFinder):
         run = loader.exec_module
 
         def exec_module(module):
-            """Run the module, then `then`."""
+            """Run the module, then what waits for it."""
             run(module)
-            self.then()
+            for then in list(_ON_IMPORT[self.name]):
+                then()
 
         loader.exec_module = exec_module
         return spec
 
 
+def configure_plotly():
+    """Show plotly figures as ipykernel does: one display of the figure's JSON (the
+    renderer plotly picks in a kernel; in our shell it would pick a second,
+    HTML one too). PLOTLY_RENDERER, when set, still wins."""
+    pio = sys.modules.get("plotly.io")
+    if pio is not None and not os.environ.get("PLOTLY_RENDERER"):
+        with contextlib.suppress(Exception):
+            pio.renderers.default = "plotly_mimetype"
+
+
 # What a worker needs as soon as these are imported.
 _ON_IMPORT = {
-    "pandas": lambda: configure_pandas(collector.running_settings()),
-    "matplotlib": lambda: figures.prepare_matplotlib(collector.running_settings()),
-    "IPython": lambda: shell.get_shell(),
+    "plotly.io": [configure_plotly],
+    "pandas": [lambda: configure_pandas(collector.running_settings())],
+    "matplotlib": [lambda: figures.prepare_matplotlib(collector.running_settings())],
+    "IPython": [lambda: shell.get_shell()],
 }
+
+
+_watching = []  # True once watch_imports ran in this process (inherited by forks)
+
+
+def on_import(name, then):
+    """Run `then` right after module `name` is first imported (after the set-up
+    above): before watch_imports, or later, while `name` is not imported yet."""
+    if _watching and name not in _ON_IMPORT and name not in sys.modules:
+        sys.meta_path.insert(0, _AfterImport(name))
+    _ON_IMPORT.setdefault(name, []).append(then)
 
 
 def watch_imports():
     """Once per worker process, before any cell: set each library up now if imported
     already, else right after it is first imported."""
-    for name, then in _ON_IMPORT.items():
+    _watching.append(True)
+    for name, waiting in _ON_IMPORT.items():
         if name in sys.modules:
-            then()
+            for then in waiting:
+                then()
         else:
-            sys.meta_path.insert(0, _AfterImport(name, then))
+            sys.meta_path.insert(0, _AfterImport(name))

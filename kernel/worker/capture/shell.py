@@ -16,6 +16,10 @@ import threading
 
 from kernel.worker.capture import collector, figures
 
+# Called with (magic name, line) after each line magic a cell runs (kernel/worker/
+# context.py keeps the ones that set IPython's state).
+magic_listeners = []
+
 _shell = None  # created on first use
 _lent = None  # the shell's own (user_ns, user_module) while a cell's namespace is lent to it
 
@@ -126,7 +130,10 @@ def _make_shell():
             if magic_name == "config":
                 _configure_inline_backend(self)
             with _hidden_names(self):
-                return super().run_line_magic(magic_name, line, _stack_depth + 1)
+                result = super().run_line_magic(magic_name, line, _stack_depth + 1)
+            for listener in magic_listeners:
+                listener(magic_name, line)
+            return result
 
         def run_cell_magic(self, magic_name, line, cell):
             """Run a cell magic with IPython's directory history in place."""
@@ -165,11 +172,16 @@ def _configure_inline_backend(shell):
     display waits for the shell (1.1 of 2.2 s measured).
     """
     from matplotlib_inline.config import InlineBackend
-    if any(isinstance(c, InlineBackend) for c in shell.configurables):
-        return
-    inline = InlineBackend.instance(parent=shell)
-    shell.configurables.append(inline)
-    inline.observe(lambda change: figures.choose_formats(change["new"]), names="figure_formats")
+    inline = next((c for c in shell.configurables if isinstance(c, InlineBackend)), None)
+    if inline is None:
+        inline = InlineBackend.instance(parent=shell)
+        shell.configurables.append(inline)
+    # matplotlib's inline set-up may have registered it first (a cell that imported
+    # pyplot before its %config): the format must reach the figures either way.
+    if not getattr(inline, "_snapk_observed", False):
+        inline.observe(lambda change: figures.choose_formats(change["new"]),
+                       names="figure_formats")
+        inline._snapk_observed = True
 
 
 @contextlib.contextmanager

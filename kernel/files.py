@@ -12,11 +12,8 @@ import tempfile
 
 def sha256_file(path):
     """Hex SHA-256 of a file's bytes."""
-    digest = hashlib.sha256()
     with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
+        return hashlib.file_digest(f, "sha256").hexdigest()
 
 
 def stage(dest, data):

@@ -1,0 +1,137 @@
+"""The PyData stack beyond numpy, pandas and matplotlib (issue 26): values made with
+each library survive a restart and are not stored again when unchanged, and their
+outputs are those of ipykernel.
+
+Each value is made in a cell, the server is restarted, and the value is used
+from the store; the same cell's outputs are compared, by output type and MIME
+type, with what a real ipykernel shows.
+"""
+
+import jupyter_client
+import pytest
+
+from test_store import store_bytes
+
+# library: (the cell that makes the value, a probe of it, what the probe shows)
+VALUES = {
+    "scikit-learn": (
+        "from sklearn.datasets import load_iris\n"
+        "from sklearn.linear_model import LogisticRegression\n"
+        "from sklearn.pipeline import make_pipeline\n"
+        "from sklearn.preprocessing import StandardScaler\n"
+        "X, y = load_iris(return_X_y=True)\n"
+        "value = make_pipeline(StandardScaler(), LogisticRegression(max_iter=500)).fit(X, y)",
+        "round(value.score(X, y), 4), value.predict(X[:3]).tolist()", "(0.9733, [0, 0, 0])"),
+    "scipy": (
+        "import scipy.sparse as sp\n"
+        "value = sp.random(2000, 2000, density=0.01, random_state=0, format='csr')",
+        "value.nnz, round(float(value.sum()), 4), value.format", None),
+    "polars": (
+        "import polars as pl\n"
+        "value = pl.DataFrame({'a': list(range(200_000)), 'b': ['x', 'yz'] * 100_000})",
+        "value.shape, value['a'].sum(), value['b'].str.len_chars().sum()",
+        "((200000, 2), 19999900000, 300000)"),
+    "pyarrow": (
+        "import pyarrow as pa\n"
+        "value = pa.table({'a': list(range(200_000)), 'b': ['x', 'yz'] * 100_000})",
+        "value.num_rows, value.column('a').to_pylist()[-1], str(value.schema.field('b').type)",
+        "(200000, 199999, 'string')"),
+    "statsmodels": (
+        "import numpy as np\n"
+        "import statsmodels.api as smapi\n"
+        "_r = np.random.default_rng(0)\n"
+        "xs = _r.random(200)\n"
+        "value = smapi.OLS(2 * xs + _r.normal(0, 0.1, 200), smapi.add_constant(xs)).fit()",
+        "[round(float(p), 3) for p in value.params], round(float(value.rsquared), 3)", None),
+    "xarray": (
+        "import numpy as np\n"
+        "import xarray as xr\n"
+        "value = xr.DataArray(np.arange(60_000.0).reshape(200, 300), dims=('x', 'y'),\n"
+        "                     coords={'x': np.arange(200) * 10}, attrs={'units': 'm'})",
+        "float(value.sum()), value.attrs['units'], int(value.x[-1])",
+        "(1799970000.0, 'm', 1990)"),
+    "sympy": (
+        "import sympy\n"
+        "t = sympy.symbols('t')\n"
+        "value = sympy.integrate(sympy.sin(t) ** 2, t)",
+        "str(value), str(sympy.diff(value, t).simplify())",
+        "('t/2 - sin(t)*cos(t)/2', 'sin(t)**2')"),
+}
+
+# library: a cell whose outputs must be those of ipykernel
+DISPLAYS = {
+    "plotly": "import plotly.express as px\npx.scatter(x=[1, 2, 3], y=[4, 5, 6]).show()",
+    "altair": ("import altair as alt\nimport pandas as pd\n"
+               "alt.Chart(pd.DataFrame({'a': [1, 2], 'b': [3, 4]})).mark_point()"
+               ".encode(x='a', y='b')"),
+    "bokeh": ("from bokeh.io import output_notebook\nfrom bokeh.plotting import figure, show\n"
+              "output_notebook()\nfig = figure()\nfig.line([1, 2], [3, 4])\nshow(fig)"),
+    "sympy": "import sympy\nsympy.integrate(sympy.sin(sympy.Symbol('t')) ** 2)",
+    "scikit-learn": ("from sklearn.linear_model import LogisticRegression\n"
+                     "LogisticRegression()"),
+    "polars": "import polars as pl\npl.DataFrame({'a': [1, 2], 'b': ['x', 'y']})",
+}
+
+
+# Values that pickle to other bytes once restored: pickle memoizes equal strings by
+# identity, and which of an estimator's equal strings are one object differs after a
+# load. Their bytes are still shared (the store grows by little), but the first cell
+# that saves them again gives them a new symbol hash. Listed so that a fix shows.
+REHASHED = {"scikit-learn", "statsmodels"}
+
+
+@pytest.mark.parametrize("library", VALUES)
+def test_a_value_survives_a_restart_and_is_not_stored_again(make_server, tmp_path, library):
+    make, probe, expected = VALUES[library]
+    data = tmp_path / "store"
+    srv = make_server(data)
+    made = srv.execute(make, new="made")
+    assert made["volatile_symbols"] == [], made
+    live = srv.value("made", probe)
+    if expected is not None:
+        assert live == expected
+    hashes = srv.post("/symbol_hashes", {"state_name": "made", "symbols": ["value"]}).json()
+    srv.stop()
+    srv = make_server(data)
+    assert srv.value("made", probe) == live
+    # A cell that only reads the value stores none of it again, after a restart too.
+    before = store_bytes(data)
+    srv.execute("seen = type(value).__name__", state="made", new="read")
+    assert store_bytes(data) - before < 2 ** 17
+    again = srv.post("/symbol_hashes", {"state_name": "read", "symbols": ["value"]}).json()
+    assert (again == hashes) == (library not in REHASHED)
+
+
+@pytest.fixture(scope="module")
+def ipykernel():
+    """A real ipykernel, as a notebook front end drives it."""
+    manager, client = jupyter_client.manager.start_new_kernel(kernel_name="python3")
+    yield client
+    client.stop_channels()
+    manager.shutdown_kernel(now=True)
+
+
+def shapes(outputs):
+    """What a cell showed, by output type and MIME types."""
+    return [(o["output_type"], sorted(o.get("data", {}))) for o in outputs
+            if o["output_type"] != "stream"]
+
+
+def in_ipykernel(client, code):
+    """The outputs of `code` in ipykernel, as nbformat outputs."""
+    outputs = []
+
+    def keep(msg):
+        """Keep the displays and results."""
+        if msg["msg_type"] in ("display_data", "execute_result"):
+            outputs.append(dict(msg["content"], output_type=msg["msg_type"]))
+
+    reply = client.execute_interactive(code, output_hook=keep, timeout=120)
+    assert reply["content"]["status"] == "ok", reply["content"]
+    return outputs
+
+
+@pytest.mark.parametrize("library", DISPLAYS)
+def test_outputs_are_those_of_ipykernel(server, ipykernel, library):
+    ours = server.execute(DISPLAYS[library])["output"]
+    assert shapes(ours) == shapes(in_ipykernel(ipykernel, DISPLAYS[library]))
