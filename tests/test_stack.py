@@ -135,3 +135,25 @@ def in_ipykernel(client, code):
 def test_outputs_are_those_of_ipykernel(server, ipykernel, library):
     ours = server.execute(DISPLAYS[library])["output"]
     assert shapes(ours) == shapes(in_ipykernel(ipykernel, DISPLAYS[library]))
+
+
+def test_polars_thread_pool_in_a_state_run_from_twice(make_server, tmp_path):
+    """A cell that starts polars' thread pool makes a state that a fork of its process
+    cannot use (the pool's threads are gone, and polars waits for them forever): every
+    run from that state answers, the second one too, before and after a restart."""
+    data = tmp_path / "store"
+    srv = make_server(data)
+    srv.execute("import polars as pl\n"
+                "df = pl.DataFrame({'a': list(range(100_000)), 'b': [i % 7 for i in range(100_000)]})",
+                new="frame")
+    agg = "df.group_by('b').agg(pl.col('a').sum()).sort('b')['a'].to_list()[:2]"
+    expected = str([sum(range(0, 100_000, 7)), sum(range(1, 100_000, 7))])
+    pooled = srv.execute(f"first = {agg}\nfirst", state="frame", new="pooled")
+    assert pooled["output"][0]["data"]["text/plain"] == expected
+    for restarted in (False, True):
+        if restarted:
+            srv.stop()
+            srv = make_server(data)
+        for _ in range(2):  # the second from the same state: no spare of its own left
+            again = srv.execute(agg, state="pooled")
+            assert again["output"][0]["data"]["text/plain"] == expected
