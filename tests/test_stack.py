@@ -157,3 +157,20 @@ def test_polars_thread_pool_in_a_state_run_from_twice(make_server, tmp_path):
         for _ in range(2):  # the second from the same state: no spare of its own left
             again = srv.execute(agg, state="pooled")
             assert again["output"][0]["data"]["text/plain"] == expected
+
+
+def test_a_formula_reads_the_names_it_writes_after_a_restart(make_server, tmp_path):
+    """patsy evaluates a statsmodels formula in the caller's namespace: `np` written only
+    in the formula is a name the cell reads (accessed_symbols), loaded before the cell
+    runs in a restored state."""
+    data = tmp_path / "store"
+    srv = make_server(data)
+    srv.execute("import numpy as np\nfrom statsmodels.formula.api import ols\n"
+                "data = {'x': np.arange(1.0, 11.0), 'y': 2 * np.log(np.arange(1.0, 11.0))}",
+                new="made")
+    srv.stop()
+    srv = make_server(data)
+    fitted = srv.execute("round(float(ols('y ~ np.log(x)', data=data).fit().params.iloc[1]), 6)",
+                         state="made")
+    assert "np" in fitted["accessed_symbols"], fitted["accessed_symbols"]
+    assert fitted["output"][0]["data"]["text/plain"] == "2.0"
