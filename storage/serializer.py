@@ -10,6 +10,7 @@ stored twice. A numpy view is stored as a view of its base, so `b = a[:2]`
 still writes through to `a` after a restore.
 """
 
+import contextlib
 import hashlib
 import io
 import pickle
@@ -273,11 +274,30 @@ def dumps(values, namespace, class_tag, min_buffer):
             data = dill.dumps(values, protocol=PROTOCOL, recurse=True)
             # What only dill pickles is loaded back once: some of it pickles but does
             # not load (a bokeh figure shown in a notebook), and is volatile then.
-            with loading_into(namespace):
+            with loading_into(namespace), counters_kept():
                 dill.loads(data)
             return Pickled(data, [], "dill")
         except Exception:
             raise Unpicklable(f"{type(first).__name__}: {first}") from None
+
+
+# Module-level counters that a load advances (bokeh numbers every model it makes: p1001,
+# p1002, ...). A trial load (pickle's dill path) makes objects only to throw them away,
+# so it puts them back: the ids of the next models are those of a live session.
+_TRIAL_COUNTERS = [("bokeh.util.serialization", "_simple_id")]
+
+
+@contextlib.contextmanager
+def counters_kept():
+    """Run the block, then set back the _TRIAL_COUNTERS it advanced."""
+    saved = [(module, name, getattr(module, name))
+             for module, name in ((sys.modules.get(m), n) for m, n in _TRIAL_COUNTERS)
+             if hasattr(module, name)]
+    try:
+        yield
+    finally:
+        for module, name, value in saved:
+            setattr(module, name, value)
 
 
 class loading_into:

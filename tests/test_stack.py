@@ -174,3 +174,19 @@ def test_a_formula_reads_the_names_it_writes_after_a_restart(make_server, tmp_pa
                          state="made")
     assert "np" in fitted["accessed_symbols"], fitted["accessed_symbols"]
     assert fitted["output"][0]["data"]["text/plain"] == "2.0"
+
+
+def test_bokeh_numbers_models_as_ipykernel_after_a_figure_is_shown(server, ipykernel):
+    """Bokeh numbers its models from a counter (p1001, p1002, ...) that the ids in its
+    output show: a shown figure is stored through dill and loaded once to check it,
+    and that trial load does not advance the counter of the state."""
+    cells = ["from bokeh.io import output_notebook, show\nfrom bokeh.plotting import figure\n"
+             "output_notebook()",
+             "p = figure(width=300, height=300)\np.line([1, 2, 3], [4, 6, 5])\nshow(p)",
+             "int(figure().id[1:]) - int(p.id[1:])"]
+    state = "initial"
+    for code in cells:
+        answer = server.execute(code, state)
+        state = answer["state_name"]
+    expected = in_ipykernel(ipykernel, "\n".join(cells[:2]) + "\n" + cells[2])
+    assert answer["output"][-1]["data"]["text/plain"] == expected[-1]["data"]["text/plain"]
