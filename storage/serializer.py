@@ -168,6 +168,10 @@ class _GroupPickler(cloudpickle.Pickler):
         elif self._bokeh_containers and isinstance(obj, self._bokeh_containers):
             items = dict(obj) if isinstance(obj, dict) else list(obj)
             return (_container, (type(obj), items), dict(obj.__dict__))
+        elif _plain_with_getattr(type(obj)):
+            reduced = _dict_state_reduce(obj)
+            if reduced is not None:
+                return reduced
         return super().reducer_override(obj)
 
 
@@ -178,6 +182,42 @@ def _container(cls, items):
     new = cls.__new__(cls)
     (dict.update if issubclass(cls, dict) else list.extend)(new, items)
     return new
+
+
+# type -> whether its instances pickle the default way and have a __getattr__ (below).
+_getattr_types = {}
+
+
+def _plain_with_getattr(cls):
+    """Whether `cls` defines __getattr__ but neither __setstate__ nor a reduce of its own.
+
+    Loading such an instance the default way looks up `__setstate__` on it before its
+    __dict__ is filled, which goes to the class's __getattr__; one that reads its own
+    attributes there recurses until RecursionError (altair.datasets' `data`)."""
+    known = _getattr_types.get(cls)
+    if known is None:
+        known = _getattr_types[cls] = (
+            getattr(cls, "__getattr__", None) is not None
+            and getattr(cls, "__setstate__", None) is None
+            and cls.__reduce_ex__ is object.__reduce_ex__
+            and cls.__reduce__ is object.__reduce__)
+    return known
+
+
+def _dict_state_reduce(obj):
+    """The default reduce of `obj` with a state setter that fills its __dict__ directly
+    (no attribute lookup on the half-made object); None when its state is not a dict."""
+    reduced = obj.__reduce_ex__(PROTOCOL)
+    if not isinstance(reduced, tuple) or len(reduced) < 3 or not isinstance(reduced[2], dict):
+        return None
+    reduced += (None,) * (5 - len(reduced))
+    return reduced[:5] + (_set_instance_dict,)
+
+
+def _set_instance_dict(obj, state):
+    """Fill a loaded instance's __dict__ with its pickled state."""
+    obj.__dict__.update(state)
+    return obj
 
 
 def _cell_value(cell):

@@ -177,6 +177,24 @@ def test_a_cell_that_only_uses_a_volatile_value_leaves_its_maker_to_replay(make_
     assert again.value("remade", "next(gen)") == "'a'"
 
 
+def test_an_object_whose_getattr_reads_its_own_attributes_survives_a_restart(make_server,
+                                                                             tmp_path):
+    """Loaded the default way, such an object recursed in its __getattr__ (pickle asks
+    it for __setstate__ before its __dict__ is there): altair.datasets' `data`."""
+    data = tmp_path / "store"
+    srv = make_server(data)
+    srv.execute("class Lazy:\n"
+                "    def __init__(self):\n"
+                "        self.cache = {}\n"
+                "    def __getattr__(self, name):\n"
+                "        return self.cache.setdefault(name, len(name))\n"
+                "lazy = Lazy()\nlazy.four", new="made")
+    srv.stop()
+    srv = make_server(data)
+    answer = srv.execute("lazy.seven, sorted(lazy.cache)", state="made")
+    assert answer["output"][0]["data"]["text/plain"] == "(5, ['four', 'seven'])"
+
+
 def test_failed_replay_names_variable_and_cell(make_server, tmp_path):
     data = tmp_path / "store"
     source = tmp_path / "words.txt"
