@@ -12,6 +12,7 @@ still writes through to `a` after a restore.
 
 import contextlib
 import hashlib
+import inspect
 import io
 import pickle
 import sys
@@ -168,10 +169,8 @@ class _GroupPickler(cloudpickle.Pickler):
         elif self._bokeh_containers and isinstance(obj, self._bokeh_containers):
             items = dict(obj) if isinstance(obj, dict) else list(obj)
             return (_container, (type(obj), items), dict(obj.__dict__))
-        elif _plain_with_getattr(type(obj)):
-            reduced = _dict_state_reduce(obj)
-            if reduced is not None:
-                return reduced
+        elif _loads_badly(type(obj)):
+            return _plain_reduce(obj)
         return super().reducer_override(obj)
 
 
@@ -184,39 +183,58 @@ def _container(cls, items):
     return new
 
 
-# type -> whether its instances pickle the default way and have a __getattr__ (below).
-_getattr_types = {}
+# type -> whether its instances are reduced by _plain_reduce (see _loads_badly).
+_plain_types = {}
+_HEAPTYPE = 1 << 9  # Py_TPFLAGS_HEAPTYPE: a class made by a class statement
 
 
-def _plain_with_getattr(cls):
-    """Whether `cls` defines __getattr__ but neither __setstate__ nor a reduce of its own.
+def _loads_badly(cls):
+    """Whether instances of `cls` pickle the default way but would not load so.
 
-    Loading such an instance the default way looks up `__setstate__` on it before its
-    __dict__ is filled, which goes to the class's __getattr__; one that reads its own
-    attributes there recurses until RecursionError (altair.datasets' `data`)."""
-    known = _getattr_types.get(cls)
+    Loading one the default way calls `cls.__new__(cls)` and then looks up
+    `__setstate__` on the half-made object. A __new__ that requires arguments
+    fails there (mpmath's mpq, in sympy's values); a __getattr__ that reads the
+    object's own attributes recurses until RecursionError (altair.datasets'
+    `data`). Only classes written in Python all the way down (object's memory
+    layout: object.__new__ makes them) with no pickling methods of their own."""
+    known = _plain_types.get(cls)
     if known is None:
-        known = _getattr_types[cls] = (
-            getattr(cls, "__getattr__", None) is not None
-            and getattr(cls, "__setstate__", None) is None
-            and cls.__reduce_ex__ is object.__reduce_ex__
-            and cls.__reduce__ is object.__reduce__)
+        known = _plain_types[cls] = (
+            cls.__reduce_ex__ is object.__reduce_ex__ and cls.__reduce__ is object.__reduce__
+            and not any(getattr(cls, name, None) is not None for name in (
+                "__setstate__", "__getnewargs__", "__getnewargs_ex__"))
+            and all(base is object or base.__flags__ & _HEAPTYPE for base in cls.__mro__)
+            and (getattr(cls, "__getattr__", None) is not None or _new_needs_arguments(cls)))
     return known
 
 
-def _dict_state_reduce(obj):
-    """The default reduce of `obj` with a state setter that fills its __dict__ directly
-    (no attribute lookup on the half-made object); None when its state is not a dict."""
+def _new_needs_arguments(cls):
+    """Whether `cls.__new__` has a parameter without a default besides the class."""
+    if cls.__new__ is object.__new__:
+        return False
+    try:
+        params = list(inspect.signature(cls.__new__).parameters.values())[1:]
+    except (TypeError, ValueError):
+        return False
+    return any(p.default is p.empty and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)
+               for p in params)
+
+
+def _plain_reduce(obj):
+    """Reduce `obj` to its class and its default state, loaded by object.__new__ and a
+    state setter that sets its attributes directly (_loads_badly)."""
     reduced = obj.__reduce_ex__(PROTOCOL)
-    if not isinstance(reduced, tuple) or len(reduced) < 3 or not isinstance(reduced[2], dict):
-        return None
-    reduced += (None,) * (5 - len(reduced))
-    return reduced[:5] + (_set_instance_dict,)
+    state = reduced[2] if isinstance(reduced, tuple) and len(reduced) > 2 else None
+    return (object.__new__, (type(obj),), state, None, None, _set_attributes)
 
 
-def _set_instance_dict(obj, state):
-    """Fill a loaded instance's __dict__ with its pickled state."""
-    obj.__dict__.update(state)
+def _set_attributes(obj, state):
+    """Set a loaded instance's pickled state: its __dict__, and its slots."""
+    attributes, slots = state if isinstance(state, tuple) else (state, None)
+    if attributes:
+        obj.__dict__.update(attributes)
+    for name, value in (slots or {}).items():
+        object.__setattr__(obj, name, value)
     return obj
 
 
