@@ -289,34 +289,6 @@ def test_execute_cell_by_cell(reference, server, tmp_path, capsys):
     tally.report(capsys)
 
 
-# A server that runs one cell and stops: its first cells run in holders of the cold
-# zygote (a new server does not make them wait for the warm one), so a warm zygote's
-# imports would be work thrown away, on a core the cell needs.
-ONE_CELL_SERVER = "[workers]\nwarm_zygote = false\n"
-
-
-@pytest.mark.corpus
-@pytest.mark.slow
-def test_execute_with_a_restart_before_every_cell(reference, tmp_path, capsys):
-    """POST /execute with the server stopped and started again before every cell: every
-    cell runs in a state restored from the store."""
-    tally = Tally("restart", reference, tmp_path / "corpus")
-    data = tmp_path / "store"
-    for name, path in copy_corpus(str(tmp_path / "corpus")).items():
-        expected = reference.cells[name]
-        state, results = "initial", []
-        for source, _ in expected:
-            server = Server(data, config=ONE_CELL_SERVER)
-            try:
-                outputs, error, state = answered(server, source, state,
-                                                 os.path.dirname(path))
-            finally:
-                server.stop()
-            results.append((outputs, error))
-        tally.compare(name, expected, results)
-    tally.report(capsys)
-
-
 def run_command(notebook, output, store, *extra):
     """`python main.py run NOTEBOOK -o OUTPUT --data-dir STORE EXTRA...`:
     (exit status, {cell id: status}, [(outputs, error)] of the written notebook)."""
@@ -403,4 +375,32 @@ def test_jupyter_kernel(reference, data_dir, tmp_path, capsys):  # noqa: F811
     for name, path in copies.items():
         tally.compare(name, reference.cells[name],
                       [split_error(outputs) for _, outputs in runs[path]])
+    tally.report(capsys)
+
+
+# A server that runs one cell and stops: its first cells run in holders of the cold
+# zygote (a new server does not make them wait for the warm one), so a warm zygote's
+# imports would be work thrown away, on a core the cell needs.
+ONE_CELL_SERVER = "[workers]\nwarm_zygote = false\n"
+
+
+@pytest.mark.corpus
+@pytest.mark.slow
+def test_execute_with_a_restart_before_every_cell(reference, tmp_path, capsys):
+    """POST /execute with the server stopped and started again before every cell: every
+    cell runs in a state restored from the store."""
+    tally = Tally("restart", reference, tmp_path / "corpus")
+    data = tmp_path / "store"
+    for name, path in copy_corpus(str(tmp_path / "corpus")).items():
+        expected = reference.cells[name]
+        state, results = "initial", []
+        for source, _ in expected:
+            server = Server(data, config=ONE_CELL_SERVER)
+            try:
+                outputs, error, state = answered(server, source, state,
+                                                 os.path.dirname(path))
+            finally:
+                server.stop()
+            results.append((outputs, error))
+        tally.compare(name, expected, results)
     tally.report(capsys)
