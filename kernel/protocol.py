@@ -177,9 +177,13 @@ class ExecuteAnswer:
 
 
 class CellResult(NamedTuple):
-    """The end of an Execute or Multistate request; `manifest` when a state was stored."""
+    """The end of an Execute or Multistate request; `manifest` when a state was stored.
+    `holder` False: the new state gets no holder, whatever the request asked (the
+    cell left threads a fork would lose: kernel/worker/process.py threads_lost_on_fork);
+    the child that made it is its only process, as with Execute.keep_live False."""
     answer: ExecuteAnswer
     manifest: dict | None = None
+    holder: bool = True
 
 
 class RebuildResult(NamedTuple):

@@ -10,7 +10,9 @@ stored twice. A numpy view is stored as a view of its base, so `b = a[:2]`
 still writes through to `a` after a restore.
 """
 
+import contextlib
 import hashlib
+import inspect
 import io
 import pickle
 import sys
@@ -170,6 +172,8 @@ class _GroupPickler(cloudpickle.Pickler):
         elif self._bokeh_containers and isinstance(obj, self._bokeh_containers):
             items = dict(obj) if isinstance(obj, dict) else list(obj)
             return (_container, (type(obj), items), dict(obj.__dict__))
+        elif _loads_badly(type(obj)):
+            return _plain_reduce(obj)
         return super().reducer_override(obj)
 
 
@@ -201,6 +205,61 @@ def _container(cls, items):
     new = cls.__new__(cls)
     (dict.update if issubclass(cls, dict) else list.extend)(new, items)
     return new
+
+
+# type -> whether its instances are reduced by _plain_reduce (see _loads_badly).
+_plain_types = {}
+_HEAPTYPE = 1 << 9  # Py_TPFLAGS_HEAPTYPE: a class made by a class statement
+
+
+def _loads_badly(cls):
+    """Whether instances of `cls` pickle the default way but would not load so.
+
+    Loading one the default way calls `cls.__new__(cls)` and then looks up
+    `__setstate__` on the half-made object. A __new__ that requires arguments
+    fails there (mpmath's mpq, in sympy's values); a __getattr__ that reads the
+    object's own attributes recurses until RecursionError (altair.datasets'
+    `data`). Only classes written in Python all the way down (object's memory
+    layout: object.__new__ makes them) with no pickling methods of their own."""
+    known = _plain_types.get(cls)
+    if known is None:
+        known = _plain_types[cls] = (
+            cls.__reduce_ex__ is object.__reduce_ex__ and cls.__reduce__ is object.__reduce__
+            and not any(getattr(cls, name, None) is not None for name in (
+                "__setstate__", "__getnewargs__", "__getnewargs_ex__"))
+            and all(base is object or base.__flags__ & _HEAPTYPE for base in cls.__mro__)
+            and (getattr(cls, "__getattr__", None) is not None or _new_needs_arguments(cls)))
+    return known
+
+
+def _new_needs_arguments(cls):
+    """Whether `cls.__new__` has a parameter without a default besides the class."""
+    if cls.__new__ is object.__new__:
+        return False
+    try:
+        params = list(inspect.signature(cls.__new__).parameters.values())[1:]
+    except (TypeError, ValueError):
+        return False
+    return any(p.default is p.empty and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)
+               for p in params)
+
+
+def _plain_reduce(obj):
+    """Reduce `obj` to its class and its default state, loaded by object.__new__ and a
+    state setter that sets its attributes directly (_loads_badly)."""
+    reduced = obj.__reduce_ex__(PROTOCOL)
+    state = reduced[2] if isinstance(reduced, tuple) and len(reduced) > 2 else None
+    return (object.__new__, (type(obj),), state, None, None, _set_attributes)
+
+
+def _set_attributes(obj, state):
+    """Set a loaded instance's pickled state: its __dict__, and its slots."""
+    attributes, slots = state if isinstance(state, tuple) else (state, None)
+    if attributes:
+        obj.__dict__.update(attributes)
+    for name, value in (slots or {}).items():
+        object.__setattr__(obj, name, value)
+    return obj
 
 
 def _cell_value(cell):
@@ -297,11 +356,30 @@ def dumps(values, namespace, class_tag, min_buffer):
             data = dill.dumps(values, protocol=PROTOCOL, recurse=True)
             # What only dill pickles is loaded back once: some of it pickles but does
             # not load (a bokeh figure shown in a notebook), and is volatile then.
-            with loading_into(namespace):
+            with loading_into(namespace), counters_kept():
                 dill.loads(data)
             return Pickled(data, [], "dill")
         except Exception:
             raise Unpicklable(f"{type(first).__name__}: {first}") from None
+
+
+# Module-level counters that a load advances (bokeh numbers every model it makes: p1001,
+# p1002, ...). A trial load (pickle's dill path) makes objects only to throw them away,
+# so it puts them back: the ids of the next models are those of a live session.
+_TRIAL_COUNTERS = [("bokeh.util.serialization", "_simple_id")]
+
+
+@contextlib.contextmanager
+def counters_kept():
+    """Run the block, then set back the _TRIAL_COUNTERS it advanced."""
+    saved = [(module, name, getattr(module, name))
+             for module, name in ((sys.modules.get(m), n) for m, n in _TRIAL_COUNTERS)
+             if hasattr(module, name)]
+    try:
+        yield
+    finally:
+        for module, name, value in saved:
+            setattr(module, name, value)
 
 
 class loading_into:

@@ -256,3 +256,17 @@ def test_attributes_set_on_modules_are_kept_or_named(make_server, tmp_path):
     srv = make_server(data)
     assert srv.value("patched", probe) == live
     assert srv.get("/states/patched").json()["unkept"] == ["json.NUMBERS"]
+
+
+def test_a_submodule_another_import_brought_is_there_after_a_restart(make_server, tmp_path):
+    """`xml.dom` is an attribute of `xml` because importing xml.dom.minidom put it
+    there: a cell that reads only `xml` finds it after a restore too (the statsmodels
+    tutorials' `graphics.gofplots` after `import statsmodels.api as sm`)."""
+    data = tmp_path / "store"
+    srv = make_server(data)
+    srv.execute("import xml\nimport xml.dom.minidom as md", new="imported")
+    probe = "xml.dom.minidom.parseString('<a/>').documentElement.tagName"
+    assert srv.value("imported", probe) == "'a'"
+    srv.stop()
+    srv = make_server(data)
+    assert srv.execute(probe, state="imported")["output"][0]["data"]["text/plain"] == "'a'"

@@ -83,12 +83,15 @@ def test_failures_and_bad_input(tmp_path):
     failed = run_cli(src, "--data-dir", data)
     assert failed.returncode == 1, failed.stderr
     assert "c1: failed" in failed.stderr and "ZeroDivisionError" in failed.stderr
-    assert "c2: not_run" in failed.stderr and "c3: blocked" in failed.stderr
+    # After the failure nothing runs, as in Jupyter: nor shows its error a cell that
+    # does not parse (the diagnostics name it).
+    assert "c2: not_run" in failed.stderr and "c3: not_run" in failed.stderr
+    assert "cell 'c3': SyntaxError" in failed.stderr
     cells = code_cells(src)
     errors = [o for o in cells[1].outputs if o.output_type == "error"]
     assert errors and errors[0].ename == "ZeroDivisionError"
     assert cells[2].execution_count is None and not cells[2].outputs
-    assert cells[3].outputs[0].ename == "SyntaxError"
+    assert cells[3].execution_count is None and not cells[3].outputs
     garbage = tmp_path / "garbage.ipynb"
     garbage.write_text("{not json")
     for args, words in [((tmp_path / "missing.ipynb",), "cannot read"),

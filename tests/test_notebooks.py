@@ -328,6 +328,21 @@ def test_a_syntax_error_blocks_only_its_dependents(server, order):
     assert statuses(fixed) == {"c0": "reused", "c1": "ran", "c2": "ran", "c3": "reused"}
 
 
+def test_a_cell_that_does_not_parse_shows_its_own_error_unless_the_run_stopped(server):
+    """As Jupyter: an IndentationError is one (not a SyntaxError), with its line; after
+    a failing cell (notebook order) the cells that follow are not run, and one that
+    does not parse shows nothing either."""
+    nb = cells("indent", "for i in range(2):\n\nprint(i)", "x = 1")
+    answer = run(server, "indent", nb)
+    assert statuses(answer) == {"c0": "blocked", "c1": "ran"}
+    assert cell(answer, "c0")["error"]["ename"] == "IndentationError"
+    assert cell(answer, "c0")["error"]["evalue"] == (
+        "expected an indented block after 'for' statement on line 1 (line 3)")
+    stopped = run(server, "stopped", cells("stopped", "1 / 0", "broken = 2 *"))
+    assert statuses(stopped) == {"c0": "failed", "c1": "not_run"}
+    assert cell(stopped, "c1")["error"] is None
+
+
 def test_a_generator_is_rebuilt_only_when_its_reader_runs(server):
     nb = cells("gen", "gen = (i * i for i in range(10))", "first = next(gen)\nfirst",
                "other = 1")

@@ -219,6 +219,20 @@ def test_matplotlib_show_and_cell_end_then_closed(server):
     assert r[2]["output"] == []
 
 
+def test_figures_of_a_backend_the_notebook_chose_are_not_shown_until_inline_draws(server):
+    """As in ipykernel: after matplotlib.use('svg') a figure is not shown and stays open;
+    once a cell draws with the inline backend again, every open figure is shown."""
+    r = run(server, "import matplotlib.pyplot as plt\nplt.plot([1, 2])",
+            "import matplotlib\nmatplotlib.use('svg')\nimport matplotlib.pyplot as plt",
+            "fig, ax = plt.subplots()\nax.plot([1, 2])",
+            "%matplotlib inline\nprint(len(plt.get_fignums()))",
+            "plt.figure()\nplt.plot([3, 4])")
+    shown = [[o["output_type"] for o in answer["output"]] for answer in r]
+    assert shown == [["execute_result", "display_data"], [], ["execute_result"], ["stream"],
+                     ["execute_result", "display_data", "display_data"]]
+    assert texts(r[3]["output"]) == [("stdout", "1\n")]
+
+
 @pytest.mark.parametrize("fmt", ["svg", "retina"])
 def test_figure_format_and_dpi_settings(make_server, fmt):
     """display.figure_format and display.figure_dpi change the figure output."""

@@ -135,3 +135,58 @@ def in_ipykernel(client, code):
 def test_outputs_are_those_of_ipykernel(server, ipykernel, library):
     ours = server.execute(DISPLAYS[library])["output"]
     assert shapes(ours) == shapes(in_ipykernel(ipykernel, DISPLAYS[library]))
+
+
+def test_polars_thread_pool_in_a_state_run_from_twice(make_server, tmp_path):
+    """A cell that starts polars' thread pool makes a state that a fork of its process
+    cannot use (the pool's threads are gone, and polars waits for them forever): every
+    run from that state answers, the second one too, before and after a restart."""
+    data = tmp_path / "store"
+    srv = make_server(data)
+    srv.execute("import polars as pl\n"
+                "df = pl.DataFrame({'a': list(range(100_000)), 'b': [i % 7 for i in range(100_000)]})",
+                new="frame")
+    agg = "df.group_by('b').agg(pl.col('a').sum()).sort('b')['a'].to_list()[:2]"
+    expected = str([sum(range(0, 100_000, 7)), sum(range(1, 100_000, 7))])
+    pooled = srv.execute(f"first = {agg}\nfirst", state="frame", new="pooled")
+    assert pooled["output"][0]["data"]["text/plain"] == expected
+    for restarted in (False, True):
+        if restarted:
+            srv.stop()
+            srv = make_server(data)
+        for _ in range(2):  # the second from the same state: no spare of its own left
+            again = srv.execute(agg, state="pooled")
+            assert again["output"][0]["data"]["text/plain"] == expected
+
+
+def test_a_formula_reads_the_names_it_writes_after_a_restart(make_server, tmp_path):
+    """patsy evaluates a statsmodels formula in the caller's namespace: `np` written only
+    in the formula is a name the cell reads (accessed_symbols), loaded before the cell
+    runs in a restored state."""
+    data = tmp_path / "store"
+    srv = make_server(data)
+    srv.execute("import numpy as np\nfrom statsmodels.formula.api import ols\n"
+                "data = {'x': np.arange(1.0, 11.0), 'y': 2 * np.log(np.arange(1.0, 11.0))}",
+                new="made")
+    srv.stop()
+    srv = make_server(data)
+    fitted = srv.execute("round(float(ols('y ~ np.log(x)', data=data).fit().params.iloc[1]), 6)",
+                         state="made")
+    assert "np" in fitted["accessed_symbols"], fitted["accessed_symbols"]
+    assert fitted["output"][0]["data"]["text/plain"] == "2.0"
+
+
+def test_bokeh_numbers_models_as_ipykernel_after_a_figure_is_shown(server, ipykernel):
+    """Bokeh numbers its models from a counter (p1001, p1002, ...) that the ids in its
+    output show: a shown figure is stored through dill and loaded once to check it,
+    and that trial load does not advance the counter of the state."""
+    cells = ["from bokeh.io import output_notebook, show\nfrom bokeh.plotting import figure\n"
+             "output_notebook()",
+             "p = figure(width=300, height=300)\np.line([1, 2, 3], [4, 6, 5])\nshow(p)",
+             "int(figure().id[1:]) - int(p.id[1:])"]
+    state = "initial"
+    for code in cells:
+        answer = server.execute(code, state)
+        state = answer["state_name"]
+    expected = in_ipykernel(ipykernel, "\n".join(cells[:2]) + "\n" + cells[2])
+    assert answer["output"][-1]["data"]["text/plain"] == expected[-1]["data"]["text/plain"]

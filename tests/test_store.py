@@ -177,6 +177,31 @@ def test_a_cell_that_only_uses_a_volatile_value_leaves_its_maker_to_replay(make_
     assert again.value("remade", "next(gen)") == "'a'"
 
 
+def test_objects_that_pickle_but_would_not_load_the_default_way_survive_a_restart(
+        make_server, tmp_path):
+    """Loaded the default way, an object whose __getattr__ reads its own attributes
+    recursed (pickle asks it for __setstate__ before its __dict__ is there: altair.datasets'
+    `data`), and one whose __new__ needs arguments failed (mpmath's mpq, in sympy)."""
+    data = tmp_path / "store"
+    srv = make_server(data)
+    srv.execute("class Lazy:\n"
+                "    def __init__(self):\n"
+                "        self.cache = {}\n"
+                "    def __getattr__(self, name):\n"
+                "        return self.cache.setdefault(name, len(name))\n"
+                "class Ratio:\n"
+                "    __slots__ = ('p', 'q')\n"
+                "    def __new__(cls, p, q=1):\n"
+                "        self = object.__new__(cls)\n"
+                "        self.p, self.q = p, q\n"
+                "        return self\n"
+                "lazy = Lazy()\nlazy.four\nthird = Ratio(1, 3)", new="made")
+    srv.stop()
+    srv = make_server(data)
+    answer = srv.execute("lazy.seven, sorted(lazy.cache), (third.p, third.q)", state="made")
+    assert answer["output"][0]["data"]["text/plain"] == "(5, ['four', 'seven'], (1, 3))"
+
+
 def test_failed_replay_names_variable_and_cell(make_server, tmp_path):
     data = tmp_path / "store"
     source = tmp_path / "words.txt"

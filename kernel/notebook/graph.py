@@ -26,6 +26,7 @@ called: a cell that reads a function (or a value made with one) also needs
 what that function's body reads, as it is when the cell runs (`closure`).
 """
 
+import builtins
 import dataclasses
 import heapq
 
@@ -75,10 +76,22 @@ def build(ids, analyses, order="notebook"):
                 "kind": "syntax_error", "cells": [ids[i]], "names": [],
                 "message": f"cell {ids[i]!r}: {err['message']}{where}",
                 "line": err["line"], "column": err["column"]})
-            graph.blocked[i] = error("SyntaxError", f"{err['message'].split(': ', 1)[-1]}{where}")
+            # The cell's error as running it would show it: the exception's own class
+            # (IndentationError, TabError, ...) and its line.
+            ename, _, message = err["message"].partition(": ")
+            at = f" (line {err['line']})" if err["line"] else ""
+            graph.blocked[i] = error(ename if is_parse_error(ename) else "SyntaxError",
+                                     f"{message}{at}")
     (_notebook if order == "notebook" else _dataflow)(graph, analyses)
     _block_dependents(graph)
     return graph
+
+
+def is_parse_error(ename):
+    """Whether `ename` names SyntaxError or a subclass of it (the error of a cell that
+    does not parse, as opposed to the graph's own: Blocked, Cycle, ...)."""
+    cls = getattr(builtins, ename, None)
+    return isinstance(cls, type) and issubclass(cls, SyntaxError)
 
 
 def _block_dependents(graph):

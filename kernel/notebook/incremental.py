@@ -241,12 +241,13 @@ class NotebookRunner:
         # the way to the next cell, and its copy-on-write faults in that cell.
         following = dict(zip(plan.sequence, plan.sequence[1:]))
         for i in plan.sequence:
-            if i in graph.blocked:
-                done(i, status=CellStatus.BLOCKED, error=graph.blocked[i])
-                continue
-            # Notebook order stops at the first failing cell, as Jupyter does.
+            # Notebook order stops at the first failing cell, as Jupyter does: the cells
+            # after it are not run, those that could not have run either.
             if run.stop.is_set() or (failed and graph.kind == "notebook"):
                 done(i, status=CellStatus.NOT_RUN)
+                continue
+            if i in graph.blocked:
+                done(i, status=CellStatus.BLOCKED, error=graph.blocked[i])
                 continue
             stuck = sorted(graph.inputs[i] & failed)
             if stuck:

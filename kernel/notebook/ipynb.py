@@ -13,6 +13,7 @@ import warnings
 import nbformat
 
 from kernel import files
+from kernel.notebook.graph import is_parse_error
 from kernel.protocol import CellStatus, NotebookCell
 
 
@@ -75,7 +76,7 @@ def executed(notebook, cells):
         # A failed cell shows its error (also one tagged raises-exception, reused or
         # not); a blocked one only a syntax error of its own.
         if error is not None and (ran.status != CellStatus.BLOCKED
-                                  or error["ename"] == "SyntaxError"):
+                                  or is_parse_error(error["ename"])):
             outputs.append(nbformat.v4.new_output("error", ename=error["ename"],
                                                   evalue=error["evalue"],
                                                   traceback=error["traceback"]))

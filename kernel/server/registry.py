@@ -223,7 +223,7 @@ class Registry:
         answer = result.answer
         self._raise_store_error(answer.error, request.new_name)
         kept = result.manifest is None or self._bind(result.manifest, child, generation,
-                                                     keep_live)
+                                                     keep_live and result.holder)
         trace.stamp("bound", request.exec_id)
         if kept and result.manifest is not None and durable:
             self._flush(request.exec_id)

@@ -19,7 +19,7 @@ from kernel import protocol, trace
 from kernel.channel import ChannelClosed
 from kernel.protocol import ExecuteAnswer
 from kernel.worker import context, execution, limits, reads, replay
-from kernel.worker.process import fork_worker, user_names
+from kernel.worker.process import fork_worker, threads_lost_on_fork, user_names
 from storage import snapshot
 from storage.store import StoreError
 
@@ -56,13 +56,16 @@ class CellChild:
             except Exception as exc:
                 result = msg.failed(protocol.error(type(exc).__name__, str(exc),
                                                    traceback.format_exc().splitlines()))
+            holder = made is not None and self.holder_possible(msg)
+            if made is not None and isinstance(msg, protocol.Execute):
+                result = result._replace(holder=holder)
             try:
                 trace.stamp("answering", msg.exec_id)
                 self.channel.send(result)
                 if made is None:
                     os._exit(0)
                 self.state.manifest = made
-                if isinstance(msg, protocol.Execute) and not msg.keep_live:
+                if not holder:
                     msg = self.channel.recv()  # no holder: this process is the state's
                     continue
                 # Fork once the server has read the answer and sent its reply (a fork at
@@ -86,6 +89,20 @@ class CellChild:
                     msg = self.channel.recv()
             except (ChannelClosed, OSError):
                 os._exit(0)
+
+    def holder_possible(self, msg):
+        """Whether the state `msg` made may get a holder forked from this process: not
+        if the request said so (Execute.keep_live), nor if the cell left a thread pool
+        that a fork would lose (workers.fork_unsafe_threads); this process then stays
+        the state's only one, and a second run from the state restores it."""
+        if not isinstance(msg, protocol.Execute):
+            return True  # a Rebuild only loads values
+        if not msg.keep_live:
+            return False
+        lost = threads_lost_on_fork(self.state.settings["workers.fork_unsafe_threads"])
+        if lost:
+            trace.stamp("holderless", f"{msg.exec_id}: {' '.join(sorted(set(lost)))}")
+        return not lost
 
     def sink(self, msg):
         """Where the cell's outputs go as it produces them: the channel, if streamed."""

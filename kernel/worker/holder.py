@@ -133,8 +133,15 @@ class StateHolder(WorkerProcess):
 
     def load_modules(self, names=None):
         """Import the state's module variables among `names` (all when None) not
-        imported yet."""
-        wanted = self.unloaded_modules if names is None else self.unloaded_modules & names
+        imported yet, with those of the same top-level packages: a package has an
+        attribute for a submodule only once something imported that submodule (as
+        `import statsmodels.api as sm` gives `statsmodels.graphics.gofplots`), and
+        a cell that reads only the package must find it as the session that made
+        the state had it."""
+        modules = self.manifest["modules"]
+        wanted = set(self.unloaded_modules if names is None else self.unloaded_modules & names)
+        packages = {modules[n].partition(".")[0] for n in wanted}
+        wanted |= {n for n in self.unloaded_modules if modules[n].partition(".")[0] in packages}
         if wanted:
             snapshot.load_modules(self.manifest, self.namespace, wanted)
             self.unloaded_modules -= wanted

@@ -8,6 +8,7 @@ opens its own channel to the server's Unix socket and its own store handle.
 import ctypes
 import os
 import random
+import re
 import signal
 import types
 
@@ -46,6 +47,26 @@ def core_free():
     except (OSError, ValueError, IndexError):
         return True
     return running <= (os.cpu_count() or 1)
+
+
+def threads_lost_on_fork(patterns):
+    """Names of this process's threads that match one of `patterns` (regular
+    expressions, workers.fork_unsafe_threads): thread pools that a forked copy of
+    the process would lack while believing them there, so that its first task
+    for them waits forever (polars' pool). Other threads are lost on fork too,
+    but the libraries that start them (OpenBLAS, jemalloc) restart them in the child."""
+    if not patterns:
+        return []
+    found = []
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{tid}/comm") as f:
+                name = f.read().strip()
+        except OSError:  # the thread ended meanwhile
+            continue
+        if any(re.fullmatch(p, name) for p in patterns):
+            found.append(name)
+    return found
 
 
 def fresh_main():

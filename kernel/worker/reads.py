@@ -6,11 +6,13 @@ notebook-defined functions, classes and methods the cell can reach. The
 answer may over-approximate, never miss: where reads cannot be known from
 the code (`globals()`, `eval`, `sys.modules`, frame inspection, pandas
 `query`/`eval` strings, IPython magics), the cell is marked dynamic and
-every name counts as read.
+every name counts as read. A name written in a string constant counts as
+read (a formula evaluated by patsy reads the caller's names).
 """
 
 import dis
 import gc
+import re
 import sys
 import types
 
@@ -32,6 +34,10 @@ _ATTRS = frozenset({"LOAD_ATTR", "LOAD_METHOD", "STORE_ATTR", "LOAD_SUPER_ATTR"}
 _REACH_BUDGET = 200_000
 
 _code_cache = {}
+# Names that a string constant of the cell may read when a library evaluates it (up to
+# this many characters: longer ones are text, not expressions).
+_IDENTIFIER = re.compile(r"[^\W\d]\w*")
+_STRING_MAX = 2000
 
 
 def _scan(code):
@@ -54,7 +60,13 @@ def _scan(code):
                 dynamic |= ins.argval in DYNAMIC_ATTRS
             elif op == "IMPORT_NAME":
                 dynamic |= ins.argval == "__main__"
-        stack.extend(c for c in co.co_consts if isinstance(c, types.CodeType))
+        for const in co.co_consts:
+            if isinstance(const, types.CodeType):
+                stack.append(const)
+            elif isinstance(const, str) and len(const) <= _STRING_MAX:
+                # A library may evaluate a string in the caller's namespace: a patsy or
+                # statsmodels formula ("y ~ np.log(x)") reads `np` and `x` from there.
+                loads.update(_IDENTIFIER.findall(const))
     found = _code_cache[code] = (frozenset(loads), frozenset(stores), dynamic)
     return found
 

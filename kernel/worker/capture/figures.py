@@ -86,16 +86,21 @@ def show_figure(fig):
 
 
 def show_figures(close=True):
-    """Display every open pyplot figure, then close them (plt.show() and cell end)."""
+    """Display every open pyplot figure, then close them (plt.show() and cell end), if
+    one of them is the inline backend's. As matplotlib_inline's flush in ipykernel:
+    figures drawn with a backend the notebook chose (`matplotlib.use('svg')`) are not
+    shown and stay open, until a cell draws with the inline backend again."""
     pylab_helpers = sys.modules.get("matplotlib._pylab_helpers")
     if pylab_helpers is None:
         return
     managers = pylab_helpers.Gcf.get_all_fig_managers()
+    if not any(getattr(m.canvas, "inline", False) for m in managers):
+        return
     try:
         for manager in managers:
             show_figure(manager.canvas.figure)
     finally:
-        if close and managers:
+        if close:
             sys.modules["matplotlib.pyplot"].close("all")
 
 

@@ -28,3 +28,4 @@ class FigureCanvas(FigureCanvasAgg):
     """Agg canvas managed by FigureManager."""
 
     manager_class = FigureManager
+    inline = True  # its figures are the cell's outputs (figures.show_figures)
