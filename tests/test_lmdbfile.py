@@ -193,12 +193,17 @@ def test_a_walk_beside_a_writer_finds_nothing_wrong(tmp_path):
             assert writer.poll() is None and time.monotonic() < deadline, "no writer"
             time.sleep(0.01)
         start = txnid()
+        settled = 0
         for _ in range(2000):
             found = lmdbfile.walk(str(tmp_path))
             assert not found.beyond and not found.damaged, (found.beyond + found.damaged)[0]
+            settled += not found.unsettled
             lmdbfile.current_meta(str(tmp_path))
         assert writer.poll() is None
-        # Commits went on all along (one walk in hundreds meets reused pages).
+        # Most walks settle (one in hundreds meets reused pages, and retries); those
+        # that met a writer committing all along report it, never a damage.
+        assert settled > 0
+        # Commits went on all along.
         assert txnid() > start + 1000
     finally:
         writer.kill()
