@@ -75,6 +75,10 @@ class Execute(NamedTuple):
     `keep_on_error` (notebook runs that go on past a failing cell): a cell
     that raises still stores its state, what it did before it raised, as a
     live kernel keeps it; the answer carries the error and the state.
+    `message_id` (the Jupyter kernel): the id of the front end's message the
+    cell answers (an execute_request, or a comm_msg from a widget), which the
+    cell's process gives as its parent's (ipywidgets' Output captures by it:
+    kernel/worker/capture/comms.py).
     """
     code: str
     new_name: str
@@ -85,6 +89,7 @@ class Execute(NamedTuple):
     home: str | None = None
     fresh_imports: bool = False
     keep_on_error: bool = False
+    message_id: str | None = None
 
     def failed(self, error):
         """The result that reports `error` for this request."""

@@ -193,7 +193,7 @@ class Registry:
 
     def execute(self, code, exec_id, state_name, new_name=None, on_output=None,
                 keep_live=True, cancel=None, cwd=None, fresh_imports=False,
-                keep_on_error=False):
+                keep_on_error=False, message_id=None):
         """Run `code` from `state_name`; on success name the new state `new_name`.
 
         Returns the ExecuteAnswer; `on_output(item)` receives the outputs as
@@ -202,8 +202,8 @@ class Registry:
         `cancel`: a threading.Event; set before the cell starts, the cell is
         interrupted as it starts (after, interrupt(exec_id) stops it). `cwd`:
         the notebook's folder (protocol.Execute's `home`): an absolute path to
-        a folder, else InvalidRequest. `fresh_imports`, `keep_on_error`:
-        protocol.Execute's.
+        a folder, else InvalidRequest. `fresh_imports`, `keep_on_error`,
+        `message_id`: protocol.Execute's.
         """
         manifest = self._lookup(state_name)
         with self.lock:
@@ -216,7 +216,7 @@ class Registry:
                                    auto_named=new_name is None, exec_id=_key(exec_id),
                                    stream=on_output is not None, keep_live=keep_live,
                                    home=cwd, fresh_imports=fresh_imports,
-                                   keep_on_error=keep_on_error)
+                                   keep_on_error=keep_on_error, message_id=message_id)
         result, child = self.cell_runs.run(manifest, request, on_output, cancel)
         answer = result.answer
         self._raise_store_error(answer.error, request.new_name)
