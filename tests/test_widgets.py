@@ -288,14 +288,15 @@ def test_interact_output_after_a_slider_move_as_in_ipykernel(kernel, ipykernel):
         seen[name] = ([m for m in cell if m[0] != "comm_open"], moved)
     cell, moved = seen["ours"]
     assert ["stream", "<parent>", {"name": "stdout", "text": "x is 5\n"}] in cell
-    output_comm = moved[1][2]["comm_id"]
     update = {"method": "update", "buffer_paths": []}
-    assert moved[1:] == [
-        ["comm_msg", "<parent>", {"comm_id": output_comm, "data": dict(update, state={
+    assert moved == [  # comm0: the slider, comm1: interact's Output widget
+        ["comm_msg", "<parent>", {"comm_id": "comm0", "data": dict(
+            update, method="echo_update", state={"value": 7})}],
+        ["comm_msg", "<parent>", {"comm_id": "comm1", "data": dict(update, state={
             "msg_id": "<parent>"})}],
         ["clear_output", "<parent>", {"wait": True}],
         ["stream", "<parent>", {"name": "stdout", "text": "x is 7\n"}],
-        ["comm_msg", "<parent>", {"comm_id": output_comm, "data": dict(update, state={
+        ["comm_msg", "<parent>", {"comm_id": "comm1", "data": dict(update, state={
             "msg_id": ""})}]]
     assert seen["ours"] == seen["ipykernel"]
 
@@ -333,3 +334,37 @@ def test_widgets_in_jupyterlab(lab):
 
     wait_for(lambda: any("steps: 100%" in b and "4/4" in b for b in bars()), timeout=120,
              what="tqdm's bar to show 4/4")
+
+
+def test_output_widget_in_jupyterlab(lab):
+    """In JupyterLab in headless Chromium: what `with out:` prints shows inside the Output
+    widget, not in its cell's own output; an interact function's output changes in its
+    widget when the slider moves."""
+    By, Keys = lab.By, lab.Keys
+    lab.open("output.ipynb")
+
+    def shown(text, in_widget):
+        """True when an output on the page is `text`, inside an Output widget's area (or
+        a cell's own output, which is not one that shows a widget)."""
+        return lab.browser.execute_script(
+            "return Array.from(document.querySelectorAll('.jp-OutputArea-output')).some("
+            "e => e.textContent.trim() === arguments[0] && (arguments[1] ? "
+            "e.closest('.widget-output') !== null : e.querySelector('.jupyter-widgets') "
+            "=== null && e.closest('.jupyter-widgets') === null))", text, in_widget)
+
+    lab.run_in_last_cell("import ipywidgets as widgets\nout = widgets.Output()\ndisplay(out)")
+    wait_for(lambda: lab.browser.find_elements(By.CSS_SELECTOR, ".widget-output"),
+             timeout=120, what="the Output widget to render")
+    lab.run_in_last_cell("with out: print('inside the widget')\nprint('beside it')")
+    wait_for(lambda: shown("beside it", False), timeout=120, what="the cell's own print")
+    wait_for(lambda: shown("inside the widget", True), what="the print inside the widget")
+    assert not shown("inside the widget", False)
+    lab.run_in_last_cell("from ipywidgets import interact\n@interact(x=(0, 10))\n"
+                         "def f(x): print('x is', x)")
+    wait_for(lambda: shown("x is 5", True), timeout=120, what="interact's first output")
+    handles = lab.browser.find_elements(By.CSS_SELECTOR, ".widget-slider .noUi-handle")
+    handles[-1].click()
+    handles[-1].send_keys(Keys.ARROW_RIGHT, Keys.ARROW_RIGHT)
+    wait_for(lambda: shown("x is 7", True), timeout=120,
+             what="interact's output after the slider moved to 7")
+    assert not shown("x is 5", True) and not shown("x is 7", False)
