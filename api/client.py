@@ -192,15 +192,19 @@ class Client:
             body["new_state_name"] = new_name
         return self.call("POST", "/execute", body, timeout)
 
-    def execute_streamed(self, code, exec_id, state, new_name=None, cwd=None):
+    def execute_streamed(self, code, exec_id, state, new_name=None, cwd=None,
+                         message_id=None):
         """POST /execute with "stream": true: an iterator of its events,
         {"type": "output"|"clear_output", ...} as the cell makes them, then
-        {"type": "answer", "answer": {...}}. `cwd`: the notebook's folder."""
+        {"type": "answer", "answer": {...}}. `cwd`: the notebook's folder;
+        `message_id`: the Jupyter message the cell answers."""
         body = {"code": code, "exec_id": exec_id, "state_name": state, "stream": True}
         if new_name is not None:
             body["new_state_name"] = new_name
         if cwd is not None:
             body["cwd"] = cwd
+        if message_id is not None:
+            body["message_id"] = message_id
         return self.events("/execute", body)
 
     def evaluate(self, code, state, exec_id, timeout=None):

@@ -43,6 +43,13 @@ _CWD = {"type": "string", "nullable": True,
                        "runs there, with the folder first on sys.path, unless an earlier "
                        "cell of the state chose another; the states made from it keep it"}
 
+_MESSAGE_ID = {"type": "string", "nullable": True, "minLength": 1, "maxLength": 256,
+               "pattern": STATE_NAME["pattern"],
+               "description": "The id of the Jupyter message the cell answers (1 to 256 "
+                              "characters, no control characters): the cell's process gives "
+                              "it as its parent message's id, by which an ipywidgets Output "
+                              "widget captures what the cell shows"}
+
 _CELL_ERROR = {
     "type": "object", "nullable": True,
     "required": ["ename", "evalue", "traceback"],
@@ -202,7 +209,8 @@ def document(version=__version__):
                                   "exec_id": _EXEC_ID,
                                   "state_name": _STATE_NAME,
                                   "new_state_name": dict(_STATE_NAME, nullable=True),
-                                  "stream": _STREAM, "cwd": _CWD},
+                                  "stream": _STREAM, "cwd": _CWD,
+                                  "message_id": _MESSAGE_ID},
                                  ["exec_id", "state_name"]),
             "responses": _answer(_EXECUTE_ANSWER, "The cell's outputs and the new state's "
                                  "name; a missing input state is error StateNotFound",

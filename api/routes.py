@@ -288,8 +288,8 @@ def execute():
     data = body("/execute")
     return answered(lambda on_output: service.registry.execute(
         data.get("code") or "", data["exec_id"], data["state_name"],
-        data.get("new_state_name"), on_output=on_output, cwd=data.get("cwd")),
-        data.get("stream"))
+        data.get("new_state_name"), on_output=on_output, cwd=data.get("cwd"),
+        message_id=data.get("message_id")), data.get("stream"))
 
 
 @route("POST", "/multistate_execute")

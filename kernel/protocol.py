@@ -79,6 +79,10 @@ class Execute(NamedTuple):
     that made the input state, which has not forked that state's holder yet,
     runs this cell without forking it: a step of a chain, whose input state
     is then restored from the store when run from again.
+    `message_id` (the Jupyter kernel): the id of the front end's message the
+    cell answers (an execute_request, or a comm_msg from a widget), which the
+    cell's process gives as its parent's (ipywidgets' Output captures by it:
+    kernel/worker/capture/comms.py).
     """
     code: str
     new_name: str
@@ -90,6 +94,7 @@ class Execute(NamedTuple):
     fresh_imports: bool = False
     keep_on_error: bool = False
     input_holder: bool = True
+    message_id: str | None = None
 
     def failed(self, error):
         """The result that reports `error` for this request."""

@@ -276,6 +276,18 @@ BREAKAGES = [
         "")],
       ["tests/test_widgets.py::test_widget_survives_a_server_restart",
        "tests/test_widgets.py::test_widgets_through_the_api"]),
+    B("output-widget-blind", "ipywidgets' Output finds no parent message in a worker",
+      [("kernel/worker/capture/comms.py", "            kernel = KERNEL\n", "")],
+      ["tests/test_widgets.py::test_message_id_through_the_api",
+       "tests/test_widgets.py::test_output_widget_captures_as_in_ipykernel",
+       "tests/test_widgets.py::test_interact_output_after_a_slider_move_as_in_ipykernel",
+       "tests/test_widgets.py::test_output_widget_in_jupyterlab"]),
+    B("comm-cell-parent-dropped", "a front end's comm message runs without its msg_id",
+      [("kernel/jupyter/kernel.py", "parent[\"header\"].get(\"msg_id\")))",
+        "parent[\"header\"].get(\"msg_id\") if parent[\"header\"][\"msg_type\"] == "
+        "\"execute_request\" else None))")],
+      ["tests/test_widgets.py::test_interact_output_after_a_slider_move_as_in_ipykernel",
+       "tests/test_widgets.py::test_output_widget_in_jupyterlab"]),
 ]
 
 

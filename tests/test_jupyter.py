@@ -74,9 +74,10 @@ def stop_server(data_dir):
 class Kernel:
     """A kernel of the test kernelspec, started by jupyter_client, and a blocking client."""
 
-    def __init__(self, env=None, cwd=None):
-        """Start the kernel and wait until it answers."""
-        self.manager = jupyter_client.KernelManager(kernel_name=SPEC)
+    def __init__(self, env=None, cwd=None, spec=SPEC):
+        """Start the kernel (of kernelspec `spec`: ipykernel's is "python3") and wait
+        until it answers."""
+        self.manager = jupyter_client.KernelManager(kernel_name=spec)
         self.manager.start_kernel(env={**os.environ, **(env or {})}, cwd=cwd or ROOT)
         self.client = self.manager.client()
         self.client.start_channels()

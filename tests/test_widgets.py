@@ -3,12 +3,16 @@ kernel/worker/widgets.py): comm messages both ways, live progress, widgets kept 
 a server restart. Real kernels of the test kernelspec (tests/test_jupyter.py's set-up),
 a real server, and JupyterLab in headless Chromium."""
 
+import json
+import re
+
 import jsonschema
 import pytest
 
 from api.openapi import document
 from conftest import wait_for
-from test_jupyter import data_dir, kernel, lab, stop_server  # noqa: F401 (fixtures)
+from test_api import error_of
+from test_jupyter import Kernel, data_dir, kernel, lab, stop_server  # noqa: F401 (fixtures)
 
 pytest.importorskip("ipywidgets")
 
@@ -30,10 +34,16 @@ def send_comm(k, msg_type, content):
     idle again."""
     msg = k.client.session.msg(msg_type, content)
     k.client.shell_channel.send(msg)
+    return iopub_of(k, msg["header"]["msg_id"])
+
+
+def iopub_of(k, msg_id):
+    """The iopub messages whose parent is `msg_id` but its status, up to the kernel's
+    idle again."""
     seen = []
     while True:
         got = k.client.get_iopub_msg(timeout=120)
-        if got["parent_header"].get("msg_id") != msg["header"]["msg_id"]:
+        if got["parent_header"].get("msg_id") != msg_id:
             continue
         if got["msg_type"] == "status":
             if got["content"]["execution_state"] == "idle":
@@ -50,6 +60,28 @@ def reply_to(k, msg_id, wait):
         if msg["parent_header"].get("msg_id") == msg_id:
             return msg
     return None
+
+
+def portable(messages, parent_id):
+    """`messages` (not the status and execute_input) as comparable between two kernels:
+    (type, parent, content), comm ids named by order of appearance, `parent_id` (the
+    request's msg_id, wherever it appears: a parent header, an Output's msg_id) as
+    "<parent>"."""
+    kept = [(m["msg_type"], m["parent_header"].get("msg_id"), m["content"])
+            for m in messages if m["msg_type"] not in ("status", "execute_input")]
+    text = json.dumps(kept).replace(parent_id, "<parent>")
+    names = {}
+    text = re.sub(r"(?<![0-9a-f])[0-9a-f]{32}(?![0-9a-f])",
+                  lambda m: names.setdefault(m.group(), f"comm{len(names)}"), text)
+    return json.loads(text)
+
+
+@pytest.fixture
+def ipykernel():
+    """A kernel of ipykernel (kernelspec python3), the reference."""
+    k = Kernel(spec="python3")
+    yield k
+    k.stop()
 
 
 def make_slider(k):
@@ -125,6 +157,26 @@ def test_widgets_through_the_api(make_server, tmp_path):
     assert srv.get("/states/w4").status_code == 404
 
 
+def test_message_id_through_the_api(make_server, tmp_path):
+    """/execute's message_id is the running cell's parent message id, by which an Output
+    widget captures (and none without it); a bad one is a JSON 400 naming the field."""
+    srv = make_server(tmp_path / "data")
+    srv.execute("import ipywidgets\nout = ipywidgets.Output()", new="o1")
+    capture = "with out:\n    print(repr(out.msg_id))\nprint(repr(out.msg_id))\n"
+    answer = srv.execute(capture, "o1", extra={"message_id": "request-7"})
+    assert [o["text"] for o in answer["output"]] == ["'request-7'\n''\n"]
+    answer = srv.execute(capture, "o1")
+    assert [o["text"] for o in answer["output"]] == ["''\n''\n"]
+    body = {"code": "1", "exec_id": "bad", "state_name": "o1"}
+    for value, message in [
+            (5, "field 'message_id' must be string or null"),
+            ("", "field 'message_id' must be longer than or equal to 1 characters"),
+            ("a\nb", "field 'message_id' must not contain control characters"),
+            ("m" * 257, "field 'message_id' must be shorter than or equal to 256 characters")]:
+        assert error_of(srv.post("/execute", dict(body, message_id=value)), 400) == {
+            "type": "BadRequest", "message": message}, value
+
+
 def test_slider_both_ways(kernel):
     """A slider made in a cell reaches the front end; a value set there reaches the
     kernel, and the next cell reads it; comm_info_request lists the comm."""
@@ -192,6 +244,63 @@ def test_widget_survives_a_server_restart(kernel, data_dir):  # noqa: F811
     assert kernel.text("print(mine.value)") == "5\n"
 
 
+def test_output_widget_captures_as_in_ipykernel(kernel, ipykernel):
+    """`with out:` sets the Output widget's msg_id to the running cell's, whose parent
+    header the print inside carries (JupyterLab moves such outputs into the widget), and
+    back to "" after: the same messages as from ipykernel, and the same state after."""
+    seen = {}
+    for name, k in (("ours", kernel), ("ipykernel", ipykernel)):
+        reply, _ = run(k, "import ipywidgets as widgets\nout = widgets.Output()\n"
+                          "display(out)")
+        assert reply["status"] == "ok", reply
+        reply, messages = run(k, "with out:\n    print('hi')\nprint('after')")
+        assert reply["status"] == "ok", reply
+        seen[name] = portable(messages, messages[0]["parent_header"]["msg_id"])
+        assert k.text("print(repr(out.msg_id), out.outputs)") == "'' ()\n"
+    update = {"method": "update", "buffer_paths": []}
+    assert seen["ours"] == [
+        ["comm_msg", "<parent>", {"comm_id": "comm0", "data": dict(update, state={
+            "msg_id": "<parent>"})}],
+        ["stream", "<parent>", {"name": "stdout", "text": "hi\n"}],
+        ["comm_msg", "<parent>", {"comm_id": "comm0", "data": dict(update, state={
+            "msg_id": ""})}],
+        ["stream", "<parent>", {"name": "stdout", "text": "after\n"}]]
+    assert seen["ours"] == seen["ipykernel"]
+
+
+def test_interact_output_after_a_slider_move_as_in_ipykernel(kernel, ipykernel):
+    """An interact function's print, when the front end moves its slider, goes into the
+    Output widget: the widget's msg_id is the front end's comm_msg's, and the print
+    carries that parent header; the same messages as from ipykernel."""
+    seen = {}
+    code = ("from ipywidgets import interact\n@interact(x=(0, 10))\ndef f(x):\n"
+            "    print('x is', x)\n")
+    for name, k in (("ours", kernel), ("ipykernel", ipykernel)):
+        reply, messages = run(k, code)
+        assert reply["status"] == "ok", reply
+        cell = portable(messages, messages[0]["parent_header"]["msg_id"])
+        slider = [m["content"]["comm_id"] for m in messages if m["msg_type"] == "comm_open"
+                  and m["content"]["data"]["state"]["_model_name"] == "IntSliderModel"]
+        msg = k.client.session.msg("comm_msg", {"comm_id": slider[0], "data": {
+            "method": "update", "state": {"value": 7}, "buffer_paths": []}})
+        k.client.shell_channel.send(msg)
+        moved = portable(iopub_of(k, msg["header"]["msg_id"]), msg["header"]["msg_id"])
+        seen[name] = ([m for m in cell if m[0] != "comm_open"], moved)
+    cell, moved = seen["ours"]
+    assert ["stream", "<parent>", {"name": "stdout", "text": "x is 5\n"}] in cell
+    update = {"method": "update", "buffer_paths": []}
+    assert moved == [  # comm0: the slider, comm1: interact's Output widget
+        ["comm_msg", "<parent>", {"comm_id": "comm0", "data": dict(
+            update, method="echo_update", state={"value": 7})}],
+        ["comm_msg", "<parent>", {"comm_id": "comm1", "data": dict(update, state={
+            "msg_id": "<parent>"})}],
+        ["clear_output", "<parent>", {"wait": True}],
+        ["stream", "<parent>", {"name": "stdout", "text": "x is 7\n"}],
+        ["comm_msg", "<parent>", {"comm_id": "comm1", "data": dict(update, state={
+            "msg_id": ""})}]]
+    assert seen["ours"] == seen["ipykernel"]
+
+
 def test_widgets_in_jupyterlab(lab):
     """In JupyterLab in headless Chromium: a slider renders, moving it with the keyboard
     changes the value the next cell reads, and a tqdm.auto bar shows."""
@@ -225,3 +334,37 @@ def test_widgets_in_jupyterlab(lab):
 
     wait_for(lambda: any("steps: 100%" in b and "4/4" in b for b in bars()), timeout=120,
              what="tqdm's bar to show 4/4")
+
+
+def test_output_widget_in_jupyterlab(lab):
+    """In JupyterLab in headless Chromium: what `with out:` prints shows inside the Output
+    widget, not in its cell's own output; an interact function's output changes in its
+    widget when the slider moves."""
+    By, Keys = lab.By, lab.Keys
+    lab.open("output.ipynb")
+
+    def shown(text, in_widget):
+        """True when an output on the page is `text`, inside an Output widget's area (or
+        a cell's own output, which is not one that shows a widget)."""
+        return lab.browser.execute_script(
+            "return Array.from(document.querySelectorAll('.jp-OutputArea-output')).some("
+            "e => e.textContent.trim() === arguments[0] && (arguments[1] ? "
+            "e.closest('.widget-output') !== null : e.querySelector('.jupyter-widgets') "
+            "=== null && e.closest('.jupyter-widgets') === null))", text, in_widget)
+
+    lab.run_in_last_cell("import ipywidgets as widgets\nout = widgets.Output()\ndisplay(out)")
+    wait_for(lambda: lab.browser.find_elements(By.CSS_SELECTOR, ".widget-output"),
+             timeout=120, what="the Output widget to render")
+    lab.run_in_last_cell("with out: print('inside the widget')\nprint('beside it')")
+    wait_for(lambda: shown("beside it", False), timeout=120, what="the cell's own print")
+    wait_for(lambda: shown("inside the widget", True), what="the print inside the widget")
+    assert not shown("inside the widget", False)
+    lab.run_in_last_cell("from ipywidgets import interact\n@interact(x=(0, 10))\n"
+                         "def f(x): print('x is', x)")
+    wait_for(lambda: shown("x is 5", True), timeout=120, what="interact's first output")
+    handles = lab.browser.find_elements(By.CSS_SELECTOR, ".widget-slider .noUi-handle")
+    handles[-1].click()
+    handles[-1].send_keys(Keys.ARROW_RIGHT, Keys.ARROW_RIGHT)
+    wait_for(lambda: shown("x is 7", True), timeout=120,
+             what="interact's output after the slider moved to 7")
+    assert not shown("x is 5", True) and not shown("x is 7", False)

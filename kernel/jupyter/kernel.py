@@ -190,7 +190,8 @@ class SnapshotKernel(Kernel):
 
     def _advance(self, code, head, new_name, n, line, parent):
         """Run `code` from `head` into `new_name`, its outputs and comm messages relayed
-        to the front end as replies to `parent`; on success the session's head moves
+        to the front end as replies to `parent` (whose msg_id the cell's process gives as
+        its parent's: ipywidgets' Output captures by it); on success the session's head moves
         there (recorded as cell `n`, `line` its code). (the answer, the relay). The
         caller holds `advancing` from its reading of the head on."""
         exec_id = f"jupyter-{uuid.uuid4().hex}"
@@ -206,7 +207,8 @@ class SnapshotKernel(Kernel):
         try:
             events = self._server_call(
                 # Jupyter starts a kernel in its notebook's folder: the cells run there.
-                lambda c: c.execute_streamed(code, exec_id, head, new_name, os.getcwd()))
+                lambda c: c.execute_streamed(code, exec_id, head, new_name, os.getcwd(),
+                                             parent["header"].get("msg_id")))
             for event in events:
                 if event["type"] == "output":
                     relay.output(event["output"])

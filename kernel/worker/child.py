@@ -19,6 +19,7 @@ from kernel import protocol, trace
 from kernel.channel import ChannelClosed
 from kernel.protocol import ExecuteAnswer
 from kernel.worker import context, execution, limits, reads, replay
+from kernel.worker.capture import comms
 from kernel.worker.process import fork_worker, threads_lost_on_fork, user_names
 from storage import snapshot
 from storage.store import StoreError
@@ -145,8 +146,9 @@ class CellChild:
         home = self.move_home(msg.home)
         if msg.fresh_imports:
             context.forget_changed_modules()
-        outputs, error = limits.run_limited(cell, namespace, count, state.settings,
-                                            self.sink(msg))
+        with comms.answering(msg.message_id):
+            outputs, error = limits.run_limited(cell, namespace, count, state.settings,
+                                                self.sink(msg))
         outputs = note + outputs
         trace.stamp("ran", msg.exec_id)
         after = user_names(namespace)

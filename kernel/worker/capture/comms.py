@@ -13,12 +13,20 @@ A message from the front end (a slider moved) runs as a cell of its own,
 handled by this process's comm manager, in the process of the state the
 kernel's session is at, and its effects make a new state like any cell's.
 
+While a cell of the Jupyter kernel runs, its comms' `kernel` stands in for
+ipykernel's kernel to ipywidgets' `Output`: its `get_parent()` gives the
+front end's message the cell answers (protocol.Execute's `message_id`).
+`with out:` sets the widget's msg_id to that message's id, and JupyterLab
+moves the outputs the kernel relays as replies to that message into the
+widget (ipykernel: `Kernel.get_parent`).
+
 The comm package's `create_comm` and `get_comm_manager` are replaced as
 soon as it is imported (and again after ipykernel's, which replaces them
 too); `tqdm.autonotebook` picks the widget bar, as it does in a kernel.
 """
 
 import base64
+import contextlib
 import json
 import sys
 
@@ -26,6 +34,32 @@ from kernel.protocol import COMM_MESSAGES
 from kernel.worker.capture import collector
 
 _manager = None  # this process's CommManager, made on first use (inherited by forks)
+_parent_id = None  # the id of the front end's message the running cell answers
+
+
+@contextlib.contextmanager
+def answering(message_id):
+    """While a cell runs: `message_id` (None: no front end's message) is its parent's."""
+    global _parent_id
+    _parent_id = message_id
+    try:
+        yield
+    finally:
+        _parent_id = None
+
+
+class _KernelStandIn:
+    """What ipywidgets' Output asks of ipykernel's kernel: the parent message."""
+
+    @staticmethod
+    def get_parent():
+        """The front end's message the running cell answers ({} when none)."""
+        if _parent_id is None:
+            return {}
+        return {"header": {"msg_id": _parent_id}}
+
+
+KERNEL = _KernelStandIn()
 
 
 def install():
@@ -60,6 +94,8 @@ def _comm_class():
 
         class CellComm(BaseComm):
             """A comm whose messages are items of the running cell's stream."""
+
+            kernel = KERNEL
 
             def publish_msg(self, msg_type, data=None, metadata=None, buffers=None, **keys):
                 """Send one message to the front end, through the running cell."""
