@@ -270,7 +270,11 @@ def test_there_are_enough_notebooks(jupyter_runs):
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: os.path.basename(p)[:-6])
 def test_notebook_matches_jupyter(path, jupyter_runs, server):
     """Cell by cell, the server shows what Jupyter shows."""
-    diffs = compare_notebook(jupyter_runs[path], run_on_server(server))
+    ours = run_on_server(server)
+    diffs = compare_notebook(jupyter_runs[path], ours)
+    if diffs:  # Jupyter's own fd-level output may wander under load: a thread forwards it,
+        # and a loaded run spliced `echo`'s line into a print's ("return codechild process")
+        diffs = compare_notebook(run_in_jupyter([path])[path], ours)
     assert not diffs, "\n\n".join(diffs)
 
 
