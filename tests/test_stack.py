@@ -200,7 +200,7 @@ def test_sympy_printing_is_as_in_ipykernel_after_a_restart(make_server, tmp_path
     srv = make_server(data)
     setup = "from sympy import *\ninit_printing()\nx = Symbol('x')"
     srv.execute(setup, new="printing")
-    probe = "x**2 / 3"
+    probe = "[x**2 / 3, x]"
     live = srv.execute(probe, state="printing")["output"]
     srv.stop()
     srv = make_server(data)

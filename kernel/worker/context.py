@@ -672,7 +672,13 @@ def _printers_set(value):
         try:
             with serializer.loading_into(namespace):
                 printer = serializer.loads(payload, [], pickler)[0]
-            formatters[mime].for_type_by_name(module, name, printer)
+            cls = getattr(sys.modules.get(module), name, None)
+            if isinstance(cls, type):
+                # Over a printer IPython has for the type (builtins' list and dict),
+                # which a registration by name would not replace.
+                formatters[mime].for_type(cls, printer)
+            else:
+                formatters[mime].for_type_by_name(module, name, printer)
         except Exception as exc:
             problems.append(f"{_printer_name((mime, module, name))}: "
                             f"{type(exc).__name__}: {exc}")
