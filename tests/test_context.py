@@ -335,3 +335,20 @@ def test_a_librarys_own_objects_held_by_name_are_the_librarys_after_a_restart(
     assert result == ["(True, True, mpf('2.0'), 1)"]
     assert [o["output_type"] for o in restored["output"]] == [
         o["output_type"] for o in live["output"]]
+
+
+def test_a_backend_the_notebook_chose_is_kept_after_a_restart(make_server, tmp_path):
+    """After `matplotlib.use('svg')` a figure is not shown, as in Jupyter; a restored
+    state keeps that choice until `%matplotlib inline` (scientific-python-lectures'
+    Lecture-4)."""
+    figure = "fig, ax = plt.subplots()\nax.plot([1, 2])\nplt.savefig('plot.svg')"
+    answers = restarted_before_every_cell(make_server, tmp_path / "store", [
+        f"import os, matplotlib\nos.chdir({str(tmp_path)!r})\nmatplotlib.use('svg')\n"
+        "import matplotlib.pyplot as plt",
+        figure, "%matplotlib inline", figure])
+    assert [a["error"] for a in answers] == [None] * 4
+    assert answers[1]["output"] == []
+    # The figure this cell made is shown (the svg one of cell 1, loaded with `fig`, is
+    # shown beside it: docs/fidelity.md).
+    assert "display_data" in [o["output_type"] for o in answers[3]["output"]]
+    assert (tmp_path / "plot.svg").exists()

@@ -43,7 +43,7 @@ import warnings
 
 from kernel.files import sha256_file
 from kernel.worker import widgets
-from kernel.worker.capture import libraries, shell, streams
+from kernel.worker.capture import figures, libraries, shell, streams
 from storage.store import StoreCorrupt
 
 # What the zygote had before any cell: the environment and sys.path every worker
@@ -483,6 +483,9 @@ _mpl_last = [None, None]
 
 # rcParams the server sets in every worker: the inline backend, interactive mode.
 _SERVER_RC = ("backend", "interactive")
+# The backends that mean "inline" here (kernel/worker/capture/figures.py), kept as the
+# server's; any other a notebook chose is kept with its state.
+_INLINE_BACKENDS = (figures.MPL_BACKEND, "agg", "module://matplotlib_inline.backend_inline")
 
 
 def _rc_get():
@@ -498,6 +501,9 @@ def _rc_get():
         defaults["figure.dpi"] = settings["display.figure_dpi"]
     changed = {k: v for k, v in dict.items(rc)
                if k not in _SERVER_RC and not _equal(v, defaults.get(k))}
+    backend = dict.get(rc, "backend")
+    if isinstance(backend, str) and backend.lower() not in _INLINE_BACKENDS:
+        changed["backend"] = backend  # the notebook's own choice (`matplotlib.use('svg')`)
     _mpl_last[:] = [dict.copy(rc), changed or None]
     return changed or None
 
