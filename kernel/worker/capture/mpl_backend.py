@@ -29,3 +29,8 @@ class FigureCanvas(FigureCanvasAgg):
 
     manager_class = FigureManager
     inline = True  # its figures are the cell's outputs (figures.show_figures)
+
+    def draw_idle(self, *args, **kwargs):
+        """Nothing: an inline figure is drawn when it is shown. pyplot asks for a draw
+        at every new figure (a wasted render) and as it loads a figure that was open
+        (`fig` kept in a state), before the figure's axes are loaded (which failed)."""
