@@ -12,6 +12,7 @@ still writes through to `a` after a restore.
 
 import contextlib
 import hashlib
+import importlib
 import inspect
 import io
 import pickle
@@ -121,9 +122,10 @@ def _make_view(base, offset, shape, strides, dtype):
 class _GroupPickler(cloudpickle.Pickler):
     """cloudpickle's C pickler, binding cell functions to the loading namespace."""
 
-    def __init__(self, file, namespace, class_tag, buffer_callback, min_buffer):
+    def __init__(self, file, namespace, class_tag, buffer_callback, min_buffer, references):
         """Pickle into `file`; `namespace` is the dict cell functions use as globals;
-        buffers of `min_buffer` bytes and more go to `buffer_callback`."""
+        buffers of `min_buffer` bytes and more go to `buffer_callback`; `references`:
+        {id(object): (module, attribute)} of objects pickled as that attribute."""
         super().__init__(file, protocol=PROTOCOL, buffer_callback=buffer_callback)
         self._namespace = namespace
         self._class_tag = class_tag
@@ -137,6 +139,8 @@ class _GroupPickler(cloudpickle.Pickler):
         self._bokeh_containers = tuple(
             getattr(wrappers, name) for name in ("PropertyValueDict", "PropertyValueList")
             if hasattr(wrappers, name))
+        self._references = _library_singletons()
+        self._references.update(references or {})
 
     def reducer_override(self, obj):
         """Reduce cell functions, notebook classes, numpy views and Arrow-backed pandas
@@ -149,6 +153,8 @@ class _GroupPickler(cloudpickle.Pickler):
                     state, None, None, _set_function_state)
         if isinstance(obj, type) and obj.__module__ == "__main__":
             _track_class(obj, self._class_tag)
+        elif (where := self._references.get(id(obj))) is not None:
+            return (_module_attribute, where)
         elif (reduced := canonical.reduce(obj)) is not None:
             return reduced
         elif rebuildable_widget(obj):
@@ -175,6 +181,46 @@ class _GroupPickler(cloudpickle.Pickler):
         elif _loads_badly(type(obj)):
             return _plain_reduce(obj)
         return super().reducer_override(obj)
+
+
+# Objects a library keeps once per process, which a cell can hold in a variable
+# (`from pylab import *` brings `rcParams`): pickled as the library's attribute, so a
+# restored variable is the process's object again, not a copy that no longer drives
+# the library (and whose backend sentinel would not load as itself).
+SINGLETONS = {"matplotlib": ("rcParams", "rcParamsDefault", "rcParamsOrig")}
+
+
+def library_attribute(name, value):
+    """(package, name) when `value` is the object the top-level package of its class
+    holds as `name` (a library's own object, as `from sympy import *` brings `RR`),
+    so it is pickled as that attribute; else None. Functions, classes and modules
+    are pickled by reference already; the package's dict is read, not getattr, which
+    could import a lazy submodule."""
+    if isinstance(value, (type, types.FunctionType, types.BuiltinFunctionType,
+                          types.ModuleType)):
+        return None
+    module = getattr(type(value), "__module__", None)
+    if not isinstance(module, str) or module in ("builtins", "__main__"):
+        return None
+    package = module.partition(".")[0]
+    held = getattr(sys.modules.get(package), "__dict__", {}).get(name)
+    return (package, name) if held is value else None
+
+
+def _library_singletons():
+    """{id(object): (module, attribute)} of the SINGLETONS of the libraries imported."""
+    found = {}
+    for module, names in SINGLETONS.items():
+        loaded = sys.modules.get(module)
+        for name in names:
+            if (value := getattr(loaded, name, None)) is not None:
+                found[id(value)] = (module, name)
+    return found
+
+
+def _module_attribute(module, name):
+    """`module.name`, importing the module."""
+    return getattr(importlib.import_module(module), name)
 
 
 def rebuildable_widget(obj):
@@ -328,8 +374,9 @@ class Pickled:
         self.pickler = pickler
 
 
-def dumps(values, namespace, class_tag, min_buffer):
-    """Serialize a list of values under one memo (sharing inside survives).
+def dumps(values, namespace, class_tag, min_buffer, references=None):
+    """Serialize a list of values under one memo (sharing inside survives);
+    `references` as _GroupPickler's.
 
     Raises Unpicklable when neither the C pickler nor dill can do it.
     """
@@ -348,7 +395,7 @@ def dumps(values, namespace, class_tag, min_buffer):
 
     out = io.BytesIO()
     try:
-        _GroupPickler(out, namespace, class_tag, keep, min_buffer).dump(values)
+        _GroupPickler(out, namespace, class_tag, keep, min_buffer, references).dump(values)
         return Pickled(out.getvalue(), buffers, "c")
     except Exception as first:
         try:

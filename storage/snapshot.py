@@ -114,7 +114,7 @@ def _digest(pickled, payload_key, pieces, layout):
     return _sha("\0".join(parts).encode())
 
 
-def _pickle_group(values, namespace, class_tag, settings, records, store):
+def _pickle_group(values, namespace, class_tag, settings, records, store, references):
     """Serialize one group; return its entry and add the payloads of new blobs to
     `records`.
 
@@ -123,7 +123,7 @@ def _pickle_group(values, namespace, class_tag, settings, records, store):
     manifest stays one key per buffer however large the buffer.
     """
     pickled = serializer.dumps(values, namespace, class_tag,
-                               settings["store.buffer_blob_min_bytes"])
+                               settings["store.buffer_blob_min_bytes"], references)
     key = _sha(pickled.payload)
 
     def hashed(piece, k):
@@ -176,16 +176,19 @@ def save_groups(store, manifest, namespace, dirty, settings, class_tag="", paren
             manifest["variables"][name] = {"type": "module", "repr": short_repr(value, limit)}
         else:
             values[name] = value
+    # A library's own object held under its own name is stored as that name of the library.
+    references = {id(v): where for name, v in values.items()
+                  if (where := serializer.library_attribute(name, v)) is not None}
     for members in alias_groups(values, namespace):
         try:
             entry = _pickle_group([values[m] for m in members], namespace, class_tag,
-                                  settings, records, store)
+                                  settings, records, store, references)
         except serializer.Unpicklable:
             # Store what can be stored; the rest of the group becomes volatile.
             for m in members:
                 try:
                     single = _pickle_group([values[m]], namespace, class_tag,
-                                           settings, records, store)
+                                           settings, records, store, references)
                 except serializer.Unpicklable as exc:
                     maker = (parent or {}).get("volatile", {}).get(m)
                     if maker is None or rebound is None or m in rebound:
@@ -211,7 +214,8 @@ def save_groups(store, manifest, namespace, dirty, settings, class_tag="", paren
         if len(members) == 1:
             entry["hashes"] = {members[0]: entry["fingerprint"]}
         else:
-            entry["hashes"] = {m: _value_hash(values[m], namespace, class_tag, settings)
+            entry["hashes"] = {m: _value_hash(values[m], namespace, class_tag, settings,
+                                              references)
                                for m in members}
         manifest["groups"].append(entry)
         for m in members:
@@ -220,10 +224,10 @@ def save_groups(store, manifest, namespace, dirty, settings, class_tag="", paren
     return records
 
 
-def _value_hash(value, namespace, class_tag, settings):
+def _value_hash(value, namespace, class_tag, settings, references):
     """The symbol hash of one value on its own (for members of larger groups)."""
     pickled = serializer.dumps([value], namespace, class_tag,
-                               settings["store.buffer_blob_min_bytes"])
+                               settings["store.buffer_blob_min_bytes"], references)
     pieces, layout = _chunks(pickled, settings["store.chunk_bytes"], settings["store.threads"])
     return _digest(pickled, _sha(pickled.payload), pieces, layout)
 

@@ -270,3 +270,85 @@ def test_a_submodule_another_import_brought_is_there_after_a_restart(make_server
     srv.stop()
     srv = make_server(data)
     assert srv.execute(probe, state="imported")["output"][0]["data"]["text/plain"] == "'a'"
+
+
+def restarted_before_every_cell(make_server, data, cells):
+    """Run `cells` one after another, each in a server started for it (the corpus's
+    restart path); the answer of each."""
+    answers, state = [], "initial"
+    for i, code in enumerate(cells):
+        srv = make_server(data)
+        answers.append(srv.execute(code, state=state, new=f"c{i}"))
+        state = f"c{i}"
+        srv.stop()
+    return answers
+
+
+def test_a_library_setting_outlives_a_restored_cell_that_does_not_import_the_library(
+        make_server, tmp_path):
+    """A restored process applies a library's kept settings as the library is imported;
+    a cell that never imports it must still hand them on to its state (statsmodels'
+    glm: `plt.rc("figure", figsize=(16, 8))`, then cells without matplotlib, then 640x480)."""
+    answers = restarted_before_every_cell(make_server, tmp_path / "store", [
+        "import matplotlib.pyplot as plt, numpy as np\n"
+        "plt.rc('figure', figsize=(16, 8))\nnp.random.seed(3)",
+        "x = 1",
+        "print(tuple(plt.rcParams['figure.figsize']), np.random.randint(1000))",
+    ])
+    assert answers[-1]["output"][0]["text"] == "(16.0, 8.0) 874\n"
+
+
+def test_a_cell_importing_a_package_finds_the_submodules_the_session_imported(
+        make_server, tmp_path):
+    """`from statsmodels import graphics; graphics.gofplots` works in Jupyter because
+    `import statsmodels.api as sm` imported gofplots; after a restore, a cell that imports
+    the package but reads no module variable of it finds them too."""
+    answers = restarted_before_every_cell(make_server, tmp_path / "store", [
+        "import xml.dom.minidom as md",
+        "from xml import dom\ndom.minidom.parseString('<a/>').documentElement.tagName",
+    ])
+    assert answers[-1]["output"][0]["data"]["text/plain"] == "'a'"
+
+
+def test_a_librarys_own_objects_held_by_name_are_the_librarys_after_a_restart(
+        make_server, tmp_path):
+    """`from pylab import *` puts matplotlib's `rcParams` in the namespace, `from sympy
+    import *` sympy's domains (`RR`): stored as the library's attributes, they are the
+    process's objects again after a restore (copies did not load: rcParams' backend
+    sentinel, RR's mpmath context). An open figure of another backend, then
+    `%matplotlib inline`, as in a tutorial that switches backends."""
+    data = tmp_path / "store"
+    srv = make_server(data)
+    srv.execute("import sympy, matplotlib\nfrom sympy import *\n"
+                "from matplotlib.pylab import rcParams\nmatplotlib.use('svg')\n"
+                "import matplotlib.pyplot as plt\nfig, ax = plt.subplots()\n"
+                "line = ax.plot([1, 2])", new="held")
+    probe = ("%matplotlib inline\n"
+             "(rcParams is matplotlib.rcParams, RR is sympy.RR, RR(1) + 1, len(fig.axes))")
+    live = srv.execute(probe, state="held")
+    srv.stop()
+    srv = make_server(data)
+    restored = srv.execute(probe, state="held")
+    assert restored["error"] is None, restored["error"]
+    result = [o["data"]["text/plain"] for o in restored["output"]
+              if o["output_type"] == "execute_result"]
+    assert result == ["(True, True, mpf('2.0'), 1)"]
+    assert [o["output_type"] for o in restored["output"]] == [
+        o["output_type"] for o in live["output"]]
+
+
+def test_a_backend_the_notebook_chose_is_kept_after_a_restart(make_server, tmp_path):
+    """After `matplotlib.use('svg')` a figure is not shown, as in Jupyter; a restored
+    state keeps that choice until `%matplotlib inline` (scientific-python-lectures'
+    Lecture-4)."""
+    figure = "fig, ax = plt.subplots()\nax.plot([1, 2])\nplt.savefig('plot.svg')"
+    answers = restarted_before_every_cell(make_server, tmp_path / "store", [
+        f"import os, matplotlib\nos.chdir({str(tmp_path)!r})\nmatplotlib.use('svg')\n"
+        "import matplotlib.pyplot as plt",
+        figure, "%matplotlib inline", figure])
+    assert [a["error"] for a in answers] == [None] * 4
+    assert answers[1]["output"] == []
+    # The figure this cell made is shown (the svg one of cell 1, loaded with `fig`, is
+    # shown beside it: docs/fidelity.md).
+    assert "display_data" in [o["output_type"] for o in answers[3]["output"]]
+    assert (tmp_path / "plot.svg").exists()

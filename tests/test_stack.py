@@ -190,3 +190,23 @@ def test_bokeh_numbers_models_as_ipykernel_after_a_figure_is_shown(server, ipyke
         state = answer["state_name"]
     expected = in_ipykernel(ipykernel, "\n".join(cells[:2]) + "\n" + cells[2])
     assert answer["output"][-1]["data"]["text/plain"] == expected[-1]["data"]["text/plain"]
+
+
+def test_sympy_printing_is_as_in_ipykernel_after_a_restart(make_server, tmp_path, ipykernel):
+    """`init_printing()` registers sympy's printers on IPython's display formatters and
+    sets the rich reprs of sympy's base class: a restored state shows an expression as
+    the live one and ipykernel do (Lecture-5-Sympy of the corpus)."""
+    data = tmp_path / "store"
+    srv = make_server(data)
+    setup = "from sympy import *\ninit_printing()\nx = Symbol('x')"
+    srv.execute(setup, new="printing")
+    probe = "[x**2 / 3, x]"
+    live = srv.execute(probe, state="printing")["output"]
+    srv.stop()
+    srv = make_server(data)
+    restored = srv.execute(probe, state="printing")["output"]
+    assert restored == live
+    expected = in_ipykernel(ipykernel, setup + "\n" + probe)
+    assert shapes(restored) == shapes(expected) == [
+        ("execute_result", ["image/png", "text/latex", "text/plain"])]
+    assert restored[0]["data"]["text/plain"] == expected[0]["data"]["text/plain"]

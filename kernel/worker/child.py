@@ -121,6 +121,10 @@ class CellChild:
             else:
                 found = reads.analyse(cell.codes, state.namespace, names_before)
             missing = (found.reads | found.writes) & state.unloaded_names()
+            # A package's submodules are there as its attributes when the session imported
+            # them: `from statsmodels import graphics` finds `graphics.gofplots` because
+            # the `sm` of `import statsmodels.api as sm` brought it.
+            missing |= state.module_variables_of(found.imports)
             if found.dynamic:
                 missing = state.unloaded_names()
             if not missing:

@@ -43,7 +43,7 @@ import warnings
 
 from kernel.files import sha256_file
 from kernel.worker import widgets
-from kernel.worker.capture import libraries, shell, streams
+from kernel.worker.capture import figures, libraries, shell, streams
 from storage.store import StoreCorrupt
 
 # What the zygote had before any cell: the environment and sys.path every worker
@@ -234,6 +234,16 @@ def _local_set(modules):
 
 _watched = set()  # (module name, dotted path) of the attributes cells assign
 _unkept = set()  # "module.path" of those whose value could not be stored
+
+# Attributes a library's own code sets when a cell asks it to, kept as if the cell had
+# assigned them: sympy's `init_printing()` chooses how its objects show in Jupyter by
+# setting these methods of its base class.
+LIBRARY_ATTRIBUTES = {
+    "sympy": [("sympy.core._print_helpers", "Printable." + name)
+              for name in ("_repr_png_", "_repr_svg_", "_repr_latex_")],
+}
+for _library, _attributes in LIBRARY_ATTRIBUTES.items():
+    libraries.on_import(_library, lambda attributes=_attributes: _watched.update(attributes))
 
 
 def watch_attribute_writes(codes, namespace):
@@ -473,6 +483,9 @@ _mpl_last = [None, None]
 
 # rcParams the server sets in every worker: the inline backend, interactive mode.
 _SERVER_RC = ("backend", "interactive")
+# The backends that mean "inline" here (kernel/worker/capture/figures.py), kept as the
+# server's; any other a notebook chose is kept with its state.
+_INLINE_BACKENDS = (figures.MPL_BACKEND, "agg", "module://matplotlib_inline.backend_inline")
 
 
 def _rc_get():
@@ -488,6 +501,9 @@ def _rc_get():
         defaults["figure.dpi"] = settings["display.figure_dpi"]
     changed = {k: v for k, v in dict.items(rc)
                if k not in _SERVER_RC and not _equal(v, defaults.get(k))}
+    backend = dict.get(rc, "backend")
+    if isinstance(backend, str) and backend.lower() not in _INLINE_BACKENDS:
+        changed["backend"] = backend  # the notebook's own choice (`matplotlib.use('svg')`)
     _mpl_last[:] = [dict.copy(rc), changed or None]
     return changed or None
 
@@ -588,6 +604,95 @@ def _ipython_set(said):
         raise ContextWarning("IPython settings not restored: " + "; ".join(problems))
 
 
+# IPython's display formatters ------------------------------------------------------------
+
+# What the shell's formatters printed with as the shell was made: {(mime, module, type
+# name): printer}; a state keeps what its cells registered beyond it (sympy's
+# `init_printing`, a notebook's `formatters['text/html'].for_type(...)`).
+_printers_base = None
+_printers_last = [None, None]  # [the registrations last read, the value made of them]
+
+
+def _registrations(ip):
+    """{(mime, module, type name): printer} of the shell's formatters, whether a printer
+    was registered for a type or by its name (IPython moves one to the other on use)."""
+    found = {}
+    for mime, formatter in ip.display_formatter.formatters.items():
+        for (module, name), printer in formatter.deferred_printers.items():
+            found[(mime, module, name)] = printer
+        for cls, printer in formatter.type_printers.items():
+            found[(mime, cls.__module__, cls.__name__)] = printer
+    return found
+
+
+def remember_printers(ip):
+    """Note the printers of a shell just made (kernel/worker/capture/shell.py)."""
+    global _printers_base
+    _printers_base = _registrations(ip)
+
+
+shell.shell_listeners.append(remember_printers)
+
+
+def _printers_get():
+    """{"printers": {(mime, module, type name): (pickled printer, pickler)}, "unkept":
+    [...]} of the printers the cells registered, pickled as the namespace's values
+    are (sympy's are closures); None when there are none."""
+    from storage import serializer
+    ip = shell.existing_shell()
+    if ip is None or _printers_base is None:
+        return _printers_last[1]  # a restored process without a shell yet: as restored
+    now = _registrations(ip)
+    if now == _printers_last[0]:
+        return _printers_last[1]
+    namespace = sys.modules["__main__"].__dict__
+    kept, unkept = {}, []
+    for key, printer in now.items():
+        if _printers_base.get(key) is printer:
+            continue
+        try:
+            pickled = serializer.dumps([printer], namespace, "", 2 ** 62)
+        except serializer.Unpicklable:
+            unkept.append(_printer_name(key))
+            continue
+        kept[key] = (pickled.payload, pickled.pickler)
+    value = {"printers": kept, "unkept": unkept} if kept or unkept else None
+    _printers_last[:] = [now, value]
+    return value
+
+
+def _printer_name(key):
+    """How a message names a printer."""
+    mime, module, name = key
+    return f"{mime} of {module}.{name}"
+
+
+def _printers_set(value):
+    """Register the kept printers again on the shell's formatters."""
+    from storage import serializer
+    ip = shell.get_shell()
+    formatters = ip.display_formatter.formatters
+    namespace = sys.modules["__main__"].__dict__
+    problems = [f"{name}: its printer could not be stored" for name in value["unkept"]]
+    for (mime, module, name), (payload, pickler) in value["printers"].items():
+        try:
+            with serializer.loading_into(namespace):
+                printer = serializer.loads(payload, [], pickler)[0]
+            cls = getattr(sys.modules.get(module), name, None)
+            if isinstance(cls, type):
+                # Over a printer IPython has for the type (builtins' list and dict),
+                # which a registration by name would not replace.
+                formatters[mime].for_type(cls, printer)
+            else:
+                formatters[mime].for_type_by_name(module, name, printer)
+        except Exception as exc:
+            problems.append(f"{_printer_name((mime, module, name))}: "
+                            f"{type(exc).__name__}: {exc}")
+    _printers_last[:] = [_registrations(ip), value]
+    if problems:
+        raise ContextWarning("display printers not restored: " + "; ".join(problems))
+
+
 def _touched(name, state):
     """A generator's state, or None while it is as it was when the process started
     (or the library was imported): nobody seeded it or drew from it."""
@@ -615,6 +720,7 @@ PROVIDERS = [
     Provider("pandas.options", _pandas_get, _pandas_set, module="pandas"),
     Provider("matplotlib.rcParams", _rc_get, _rc_set, module="matplotlib"),
     Provider("ipython", _ipython_get, _ipython_set),
+    Provider("ipython.printers", _printers_get, _printers_set),
     # Before the variables that hold them are loaded (as ipywidgets is imported).
     Provider("ipywidgets", widgets.states, widgets.rebuild, module="ipywidgets"),
     # After the magics said again: a cell's "error" filter could fail them.
@@ -635,14 +741,17 @@ def capture(previous, settings):
     _SETTINGS["settings"] = settings
     context, payloads = {}, {}
     for provider in PROVIDERS:
-        if provider.module is not None and provider.module not in sys.modules:
-            value = None
-        else:
-            try:
-                value = provider.get()
-            except Exception:
-                value = None  # a library half imported, or changed beyond our reading
         old = previous.get(provider.name)
+        if provider.module is not None and provider.module not in sys.modules:
+            # A restored process applies the kept value when the library is imported
+            # (`restore`): until then it is still the state's.
+            if old is not None:
+                context[provider.name] = old
+            continue
+        try:
+            value = provider.get()
+        except Exception:
+            value = None  # a library half imported, or changed beyond our reading
         if value is None:
             continue
         if old is not None and provider.same(old[1], value):

@@ -103,6 +103,12 @@ class StateHolder(WorkerProcess):
         names = {m for g in self.unloaded_groups for m in g["members"]}
         return names | self.unloaded_volatile | self.unloaded_modules
 
+    def module_variables_of(self, packages):
+        """Names of the module variables not imported yet whose top-level package is one
+        of `packages`."""
+        modules = self.manifest["modules"]
+        return {n for n in self.unloaded_modules if modules[n].partition(".")[0] in packages}
+
     def load(self, names=None):
         """Load the groups holding `names` (all when None), modules, volatiles."""
         if os.getpid() == self.holder_pid:
@@ -141,7 +147,7 @@ class StateHolder(WorkerProcess):
         modules = self.manifest["modules"]
         wanted = set(self.unloaded_modules if names is None else self.unloaded_modules & names)
         packages = {modules[n].partition(".")[0] for n in wanted}
-        wanted |= {n for n in self.unloaded_modules if modules[n].partition(".")[0] in packages}
+        wanted |= self.module_variables_of(packages)
         if wanted:
             snapshot.load_modules(self.manifest, self.namespace, wanted)
             self.unloaded_modules -= wanted

@@ -41,11 +41,12 @@ _STRING_MAX = 2000
 
 
 def _scan(code):
-    """(loads, stores, dynamic) of one code object and its nested code, cached."""
+    """(loads, stores, dynamic, imports) of one code object and its nested code, cached;
+    imports: the top-level packages it imports."""
     found = _code_cache.get(code)
     if found is not None:
         return found
-    loads, stores, dynamic = set(), set(), False
+    loads, stores, dynamic, imports = set(), set(), False, set()
     stack = [code]
     while stack:
         co = stack.pop()
@@ -60,6 +61,7 @@ def _scan(code):
                 dynamic |= ins.argval in DYNAMIC_ATTRS
             elif op == "IMPORT_NAME":
                 dynamic |= ins.argval == "__main__"
+                imports.add(ins.argval.partition(".")[0])
         for const in co.co_consts:
             if isinstance(const, types.CodeType):
                 stack.append(const)
@@ -67,18 +69,21 @@ def _scan(code):
                 # A library may evaluate a string in the caller's namespace: a patsy or
                 # statsmodels formula ("y ~ np.log(x)") reads `np` and `x` from there.
                 loads.update(_IDENTIFIER.findall(const))
-    found = _code_cache[code] = (frozenset(loads), frozenset(stores), dynamic)
+    found = _code_cache[code] = (frozenset(loads), frozenset(stores), dynamic,
+                                 frozenset(imports))
     return found
 
 
 class Analysis:
-    """What a cell may touch: names read, names written or deleted, dynamic."""
+    """What a cell may touch: names read, names written or deleted, dynamic; and the
+    top-level packages it imports."""
 
-    def __init__(self, reads, writes, dynamic):
+    def __init__(self, reads, writes, dynamic, imports=frozenset()):
         """Hold the result."""
         self.reads = reads
         self.writes = writes
         self.dynamic = dynamic
+        self.imports = imports
 
 
 def _notebook_code(value, namespace, budget):
@@ -137,7 +142,7 @@ def analyse(codes, namespace, names_before):
     those can be "read". A read of a notebook function or class adds what
     its code reads and writes, transitively.
     """
-    loads, stores, dynamic = set(), set(), False
+    loads, stores, dynamic, imports = set(), set(), False, set()
     pending = list(codes)
     done_codes, done_names = set(), set()
     budget = _REACH_BUDGET
@@ -146,10 +151,11 @@ def analyse(codes, namespace, names_before):
         if code in done_codes:
             continue
         done_codes.add(code)
-        cl, cs, cd = _scan(code)
+        cl, cs, cd, ci = _scan(code)
         loads |= cl
         stores |= cs
         dynamic |= cd
+        imports |= ci
         for name in cl - done_names:
             done_names.add(name)
             if name in namespace:
@@ -159,4 +165,4 @@ def analyse(codes, namespace, names_before):
     user = {n for n in names_before if not (n.startswith("__") and n.endswith("__"))}
     if dynamic:
         return Analysis(set(user), set(user) | stores, True)
-    return Analysis(loads & user, stores, False)
+    return Analysis(loads & user, stores, False, imports)

@@ -7,7 +7,6 @@ open when the cell ends are shown by the capture's finish_cell.
 
 from matplotlib.backend_bases import FigureManagerBase
 from matplotlib.backends.backend_agg import FigureCanvasAgg
-from matplotlib.figure import Figure
 
 from kernel.worker.capture import figures
 
@@ -31,14 +30,7 @@ class FigureCanvas(FigureCanvasAgg):
     manager_class = FigureManager
     inline = True  # its figures are the cell's outputs (figures.show_figures)
 
-
-def new_figure_manager(num, *args, FigureClass=Figure, **kwargs):
-    """A new figure and its manager (pyplot.figure). Defined here so that pyplot takes
-    this module's draw_if_interactive instead of its own, which draws."""
-    return FigureCanvas.new_manager(FigureClass(*args, **kwargs), num)
-
-
-def draw_if_interactive():
-    """Nothing: a figure is drawn when it is shown, as with ipykernel's inline backend.
-    pyplot's own would draw it whole at plt.figure() and twice more in a pandas plot
-    (about 25 ms a draw on this workload's plots)."""
+    def draw_idle(self, *args, **kwargs):
+        """Nothing: an inline figure is drawn when it is shown. pyplot asks for a draw
+        at every new figure (a wasted render) and as it loads a figure that was open
+        (`fig` kept in a state), before the figure's axes are loaded (which failed)."""

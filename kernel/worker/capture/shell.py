@@ -19,6 +19,8 @@ from kernel.worker.capture import collector, figures
 # Called with (magic name, line) after each line magic a cell runs (kernel/worker/
 # context.py keeps the ones that set IPython's state).
 magic_listeners = []
+# Called with the shell once it is made (kernel/worker/context.py notes its printers).
+shell_listeners = []
 
 _shell = None  # created on first use
 _lent = None  # the shell's own (user_ns, user_module) while a cell's namespace is lent to it
@@ -161,6 +163,8 @@ def _make_shell():
     fmt["image/png"].for_type_by_name("matplotlib.figure", "Figure", figures.figure_mime("image/png"))
     fmt["image/svg+xml"].for_type_by_name("matplotlib.figure", "Figure",
                                          figures.figure_mime("image/svg+xml"))
+    for listener in shell_listeners:
+        listener(shell)
     return shell
 
 
