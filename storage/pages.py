@@ -166,7 +166,8 @@ def known(view, chunk, workers=1):
     """Per `chunk`-byte piece of `view`: (blob key, digest) if its bytes are unchanged
     since it was stored, else None. One page-map read serves the whole buffer; a
     piece whose pages are no longer shared is checked by its digest, if it has one,
-    on `workers` threads (a 1 GB frame restored or made in this process: 0.2 s on one)."""
+    on `workers` threads when there are enough bytes for them (threads.for_hashing;
+    a 1 GB frame restored or made in this process: 0.2 s on one)."""
     spans = _spans(view.nbytes, chunk)
     address = buffer_address(view)
     if address is None:
@@ -193,6 +194,7 @@ def known(view, chunk, workers=1):
                 else:
                     unshared.append((len(entries), view[offset:offset + size], checked))
         entries.append(None if entry is None else (entry[0], entry[2]))
+    workers = threads.for_hashing(sum(piece.nbytes for _, piece, _ in unshared), workers)
     same = list(threads.ordered(lambda item: digest(item[1]) == item[2], unshared, workers))
     for (at, _, _), unchanged in zip(unshared, same):
         if not unchanged:

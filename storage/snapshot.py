@@ -78,7 +78,8 @@ def _chunks(pickled, chunk, workers=1, hashed=None):
     Each chunk is a blob of its own, so a changed column of a 2-D pandas
     block costs its own chunks, not the block. A chunk whose bytes are
     known unchanged since it was stored (storage/pages.py) keeps its key
-    without hashing; the others are hashed on `workers` threads, and
+    without hashing; the others are hashed (on `workers` threads when
+    there are enough bytes to: threads.for_hashing), and
     hashed(piece, key) is called for each as soon as it is (a large
     state's blobs are written meanwhile: Store.records).
     """
@@ -89,7 +90,8 @@ def _chunks(pickled, chunk, workers=1, hashed=None):
                   for start, entry in zip(range(0, view.nbytes, chunk), entries)]
         layout.append(len(entries))
     todo = [piece for piece, entry in known if entry is None]
-    new = threads.ordered(_key_and_digest, todo, workers)
+    new = threads.ordered(_key_and_digest, todo,
+                          threads.for_hashing(sum(piece.nbytes for piece in todo), workers))
     pieces, digests = [], []
     for piece, entry in known:
         if entry is None:

@@ -220,6 +220,26 @@ def test_matplotlib_show_and_cell_end_then_closed(server):
     assert r[2]["output"] == []
 
 
+def test_a_figure_is_drawn_only_when_shown(server):
+    """As with ipykernel's inline backend, pyplot and pandas draw nothing before the figure
+    is shown (pyplot's own draw_if_interactive drew it whole at each plt.figure() and
+    pandas plot)."""
+    (answer,) = run(server,
+                    "import matplotlib.pyplot as plt, pandas as pd\n"
+                    "draws = []\n"
+                    "fig = plt.figure()\n"
+                    "fig.canvas.mpl_connect('draw_event', lambda event: draws.append(1))\n"
+                    "pd.Series([1, 2]).plot.barh(ax=fig.gca())\n"
+                    "plt.figure()\n"
+                    "print('before show', len(draws))\n"
+                    "plt.show()\n"
+                    "print('after show', len(draws))")
+    assert answer["error"] is None
+    printed = [text for kind, text in texts(answer["output"]) if kind == "stdout"]
+    assert printed[0] == "before show 0\n"
+    assert printed[1] != "after show 0\n"  # shown: drawn (twice, for its tight bounding box)
+
+
 def test_figures_of_a_backend_the_notebook_chose_are_not_shown_until_inline_draws(server):
     """As in ipykernel: after matplotlib.use('svg') a figure is not shown and stays open;
     once a cell draws with the inline backend again, every open figure is shown."""
