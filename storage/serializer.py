@@ -139,6 +139,8 @@ class _GroupPickler(cloudpickle.Pickler):
         self._bokeh_containers = tuple(
             getattr(wrappers, name) for name in ("PropertyValueDict", "PropertyValueList")
             if hasattr(wrappers, name))
+        self._bokeh_document = getattr(sys.modules.get("bokeh.document.document"),
+                                       "Document", None)
         self._references = _library_singletons()
         self._references.update(references or {})
 
@@ -178,6 +180,8 @@ class _GroupPickler(cloudpickle.Pickler):
         elif self._bokeh_containers and isinstance(obj, self._bokeh_containers):
             items = dict(obj) if isinstance(obj, dict) else list(obj)
             return (_container, (type(obj), items), dict(obj.__dict__))
+        elif self._bokeh_document is not None and type(obj) is self._bokeh_document:
+            return _document_reduce(obj)
         elif _loads_badly(type(obj)):
             return _plain_reduce(obj)
         return super().reducer_override(obj)
@@ -251,6 +255,45 @@ def _container(cls, items):
     new = cls.__new__(cls)
     (dict.update if issubclass(cls, dict) else list.extend)(new, items)
     return new
+
+
+def _document_reduce(doc):
+    """bokeh's Document (the one a notebook's figures are shown in): its managers hold
+    weak references to it and are made anew; its index of models is built again once
+    its roots are loaded (_LOADED_LATER)."""
+    document = sys.modules["bokeh.document.document"]
+    state = {"roots": list(doc._roots), "config": doc._config, "title": doc._title,
+             "template_variables": doc._template_variables,
+             # The library's own objects (not picklable as values) stand as None.
+             "theme": None if doc._theme is document.default_theme else doc._theme,
+             "template": None if doc._template is document.FILE else doc._template}
+    return (_document, (type(doc),), state, None, None, _set_document)
+
+
+def _document(cls):
+    """An empty Document, made without its __init__ (which would number a model)."""
+    return cls.__new__(cls)
+
+
+def _set_document(doc, state):
+    """Give a loaded Document its managers and fields; index its models after the load."""
+    document = sys.modules["bokeh.document.document"]
+    doc.callbacks = document.DocumentCallbackManager(doc)
+    doc.models = document.DocumentModelManager(doc)
+    doc.modules = document.DocumentModuleManager(doc)
+    doc._config = state["config"]
+    doc._roots = state["roots"]
+    doc._template = state["template"] or document.FILE
+    doc._template_variables = state["template_variables"]
+    doc._theme = state["theme"] or document.default_theme
+    doc._title = state["title"]
+    doc._session_context = None
+    _LOADED_LATER.append(doc.models.recompute)
+
+
+# What a load finishes once every object of the group is whole (a Document's index of
+# models walks its models' properties, which are set after the Document's own state).
+_LOADED_LATER = []
 
 
 # type -> whether its instances are reduced by _plain_reduce (see _loads_badly).
@@ -402,7 +445,7 @@ def dumps(values, namespace, class_tag, min_buffer, references=None):
             import dill
             data = dill.dumps(values, protocol=PROTOCOL, recurse=True)
             # What only dill pickles is loaded back once: some of it pickles but does
-            # not load (a bokeh figure shown in a notebook), and is volatile then.
+            # not load, and is volatile then.
             with loading_into(namespace), counters_kept():
                 dill.loads(data)
             return Pickled(data, [], "dill")
@@ -411,8 +454,9 @@ def dumps(values, namespace, class_tag, min_buffer, references=None):
 
 
 # Module-level counters that a load advances (bokeh numbers every model it makes: p1001,
-# p1002, ...). A trial load (pickle's dill path) makes objects only to throw them away,
-# so it puts them back: the ids of the next models are those of a live session.
+# p1002, ...). A load (and pickle's trial load of the dill path) makes objects that a live
+# session made long ago, so it puts them back: the ids of the next models are those of a
+# live session. (A counter's module first imported by the load: kernel/worker/context.py.)
 _TRIAL_COUNTERS = [("bokeh.util.serialization", "_simple_id")]
 
 
@@ -470,8 +514,17 @@ class _Unpickler(pickle.Unpickler):
 
 
 def loads(payload, buffers, pickler):
-    """Deserialize a list of values (call inside `loading_into`)."""
-    if pickler == "dill":
-        import dill
-        return dill.loads(payload)
-    return _Unpickler(io.BytesIO(payload), buffers=buffers).load()
+    """Deserialize a list of values (call inside `loading_into`). Loading leaves the
+    _TRIAL_COUNTERS as they were: the next model a cell makes is numbered as live."""
+    with counters_kept():
+        if pickler == "dill":
+            import dill
+            return dill.loads(payload)
+        try:
+            values = _Unpickler(io.BytesIO(payload), buffers=buffers).load()
+        except BaseException:
+            _LOADED_LATER.clear()
+            raise
+        while _LOADED_LATER:
+            _LOADED_LATER.pop(0)()
+        return values

@@ -7,9 +7,12 @@ from the store; the same cell's outputs are compared, by output type and MIME
 type, with what a real ipykernel shows.
 """
 
+import re
+
 import jupyter_client
 import pytest
 
+from test_context import restarted_before_every_cell
 from test_store import store_bytes
 
 # library: (the cell that makes the value, a probe of it, what the probe shows)
@@ -190,6 +193,40 @@ def test_bokeh_numbers_models_as_ipykernel_after_a_figure_is_shown(server, ipyke
         state = answer["state_name"]
     expected = in_ipykernel(ipykernel, "\n".join(cells[:2]) + "\n" + cells[2])
     assert answer["output"][-1]["data"]["text/plain"] == expected[-1]["data"]["text/plain"]
+
+
+def test_bokeh_after_a_restart_is_as_in_ipykernel(make_server, tmp_path):
+    """bokeh keeps in its modules whether output_notebook() was called, the counter that
+    numbers its models, and the current document that `show` adds figures to: with the
+    server restarted before every cell, each figure still shows, with the model ids of
+    a new ipykernel, and a figure restored from the store shows again (in a new
+    document it would raise that a model belongs to one document only). The second
+    cell imports bokeh's plotting in a restored process, where its import numbers
+    models of its own."""
+    cells = ["from bokeh.io import output_notebook, show\noutput_notebook(hide_banner=True)",
+             "from bokeh.plotting import figure\nbase = figure()",
+             "p = figure(width=300, height=300)\np.line([1, 2, 3], [4, 6, 5])\nshow(p)",
+             "q = figure(width=200, height=200)\nq.line([1, 2], [3, 4])\nshow(q)",
+             "show(p)\nbase.id"]
+
+    def ids(outputs):
+        """The ids of the figures shown, and `base`'s."""
+        html = [o["data"]["text/html"] for o in outputs
+                if o["output_type"] == "display_data" and "text/html" in o["data"]]
+        return ([i for h in html for i in re.findall(r'data-root-id="(p\d+)"', h)]
+                + [outputs[-1]["data"]["text/plain"]])
+
+    answers = restarted_before_every_cell(make_server, tmp_path / "store", cells)
+    assert [a["error"] for a in answers] == [None] * len(cells), answers
+    ours = ids([o for a in answers[2:] for o in a["output"]])
+    manager, client = jupyter_client.manager.start_new_kernel(kernel_name="python3")
+    try:
+        expected = ids([o for code in cells for o in in_ipykernel(client, code)])
+    finally:
+        client.stop_channels()
+        manager.shutdown_kernel(now=True)
+    assert len(expected) == 4 and expected[0] == expected[2]
+    assert ours == expected
 
 
 def test_sympy_printing_is_as_in_ipykernel_after_a_restart(make_server, tmp_path, ipykernel):

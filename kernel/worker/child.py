@@ -125,6 +125,9 @@ class CellChild:
             # them: `from statsmodels import graphics` finds `graphics.gofplots` because
             # the `sm` of `import statsmodels.api as sm` brought it.
             missing |= state.module_variables_of(found.imports)
+            # What the process context refers to (bokeh's current document) is the
+            # state's before the cell, whatever the cell reads.
+            missing |= context.variables_referred(state.context) & state.unloaded_names()
             if found.dynamic:
                 missing = state.unloaded_names()
             if not missing:

@@ -44,6 +44,7 @@ import warnings
 from kernel.files import sha256_file
 from kernel.worker import widgets
 from kernel.worker.capture import figures, libraries, shell, streams
+from storage import serializer
 from storage.store import StoreCorrupt
 
 # What the zygote had before any cell: the environment and sys.path every worker
@@ -284,7 +285,6 @@ def _attributes_get():
     """{(module, path): (pickled value, pickler)} of the watched attributes, pickled as
     the namespace's values are (a cell's function by value, bound on restore to
     the namespace); "unkept": those that cannot be stored."""
-    from storage import serializer
     if not _watched:
         return None
     namespace = sys.modules["__main__"].__dict__
@@ -307,7 +307,6 @@ def _attributes_get():
 
 def _attributes_set(value):
     """Set the kept attributes again, their modules imported."""
-    from storage import serializer
     namespace = sys.modules["__main__"].__dict__
     problems = []
     for (module, path), (payload, pickler) in value["attributes"].items():
@@ -638,7 +637,6 @@ def _printers_get():
     """{"printers": {(mime, module, type name): (pickled printer, pickler)}, "unkept":
     [...]} of the printers the cells registered, pickled as the namespace's values
     are (sympy's are closures); None when there are none."""
-    from storage import serializer
     ip = shell.existing_shell()
     if ip is None or _printers_base is None:
         return _printers_last[1]  # a restored process without a shell yet: as restored
@@ -669,7 +667,6 @@ def _printer_name(key):
 
 def _printers_set(value):
     """Register the kept printers again on the shell's formatters."""
-    from storage import serializer
     ip = shell.get_shell()
     formatters = ip.display_formatter.formatters
     namespace = sys.modules["__main__"].__dict__
@@ -691,6 +688,90 @@ def _printers_set(value):
     _printers_last[:] = [_registrations(ip), value]
     if problems:
         raise ContextWarning("display printers not restored: " + "; ".join(problems))
+
+
+# bokeh ---------------------------------------------------------------------------------
+# bokeh keeps three things in its modules that a notebook's outputs show: the counter that
+# numbers its models (p1001, p1002, ... in every figure's HTML), whether `output_notebook()`
+# was called (else `show` writes a file and shows nothing), and the current document, to
+# which `show` adds each figure (a model belongs to one document: showing a restored
+# figure again needs the document it was loaded with). The document is kept by the name
+# of a variable whose model belongs to it, so it is that variable's once loaded.
+_bokeh_pending = {}  # a restored value not yet applied in full (see after_load)
+
+
+def _bokeh_get():
+    """{next_id, notebook (its type, or None), document (a variable in it, or None)}; what
+    a restore has not applied yet (bokeh's state not made, the document's variable not
+    loaded) is still the state's."""
+    state = getattr(sys.modules.get("bokeh.io.state"), "_STATE", None)
+    notebook, document = _bokeh_pending.get("notebook"), _bokeh_pending.get("document")
+    if state is not None:
+        notebook = state.notebook_type if state.notebook else None
+        if state.document.roots or not document:
+            document = _bokeh_document_holder(state.document)
+    return {"next_id": sys.modules["bokeh.util.serialization"]._simple_id,
+            "notebook": notebook, "document": document}
+
+
+def _bokeh_document_holder(document):
+    """The first variable (by name) holding a model of `document`, or None."""
+    if not document.roots:
+        return None
+    model = sys.modules["bokeh.model"].Model
+    namespace = sys.modules["__main__"].__dict__
+    for name in sorted(namespace):
+        value = namespace[name]
+        if not name.startswith("_") and isinstance(value, model) and value.document is document:
+            return name
+    return None
+
+
+def _bokeh_set(value):
+    """Set the counter now (bokeh.models has just been imported); the notebook mode once
+    bokeh's state module is imported, the document once its variable is loaded."""
+    sys.modules["bokeh.util.serialization"]._simple_id = value["next_id"]
+    _bokeh_pending.clear()
+    _bokeh_pending.update(value)
+    if "bokeh.io.state" in sys.modules:
+        _bokeh_notebook()
+    else:
+        libraries.on_import("bokeh.io.state", _bokeh_notebook)
+
+
+def _bokeh_notebook():
+    """`output_notebook()` as the state had it, without showing its banner again."""
+    if _bokeh_pending.get("notebook"):
+        # The live session made bokeh's state, and numbered its document's models, long ago.
+        with serializer.counters_kept():
+            state = sys.modules["bokeh.io.state"].curstate()
+        state.output_notebook(_bokeh_pending["notebook"])
+
+
+def variables_referred(kept):
+    """The variables that the context `kept` ({provider: (key, value)}) refers to: they
+    are loaded before a restored state's first cell (bokeh's current document is one
+    of theirs)."""
+    bokeh = kept.get("bokeh")
+    return {bokeh[1]["document"]} if bokeh and bokeh[1]["document"] else set()
+
+
+def after_load(namespace):
+    """After values are loaded into a restored process, before its first cell: loading
+    bokeh's models advanced its counter (set it back); the state's current document is
+    that of its variable, once loaded."""
+    if not _bokeh_pending:
+        return
+    if "next_id" in _bokeh_pending:  # no cell has run here since the restore
+        sys.modules["bokeh.util.serialization"]._simple_id = _bokeh_pending["next_id"]
+    name = _bokeh_pending.get("document")
+    document = getattr(namespace.get(name), "document", None) if name else None
+    if document is not None:
+        from bokeh.io.state import curstate
+        with serializer.counters_kept():
+            state = curstate()
+        state._document = document
+        _bokeh_pending["document"] = None
 
 
 def _touched(name, state):
@@ -723,6 +804,8 @@ PROVIDERS = [
     Provider("ipython.printers", _printers_get, _printers_set),
     # Before the variables that hold them are loaded (as ipywidgets is imported).
     Provider("ipywidgets", widgets.states, widgets.rebuild, module="ipywidgets"),
+    # Once bokeh.models is imported, whose import numbers models of its own (formatters).
+    Provider("bokeh", _bokeh_get, _bokeh_set, module="bokeh.models"),
     # After the magics said again: a cell's "error" filter could fail them.
     Provider("warnings", _warnings_get, _warnings_set),
     Provider("random", lambda: _touched("random", random.getstate()), random.setstate),
@@ -739,6 +822,8 @@ def capture(previous, settings):
     the cell ran from): (context, payloads), where payloads are the blobs of the
     values that changed ({key: pickled value}). `settings`: the worker's."""
     _SETTINGS["settings"] = settings
+    # A cell has run: bokeh's counter is the live one now (later loads leave it alone).
+    _bokeh_pending.pop("next_id", None)
     context, payloads = {}, {}
     for provider in PROVIDERS:
         old = previous.get(provider.name)

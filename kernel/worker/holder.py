@@ -136,6 +136,7 @@ class StateHolder(WorkerProcess):
             replay.volatile(self.manifest, self.namespace, self.settings,
                             self.unloaded_volatile)
             self.unloaded_volatile = set()
+        context.after_load(self.namespace)
 
     def load_modules(self, names=None):
         """Import the state's module variables among `names` (all when None) not
@@ -163,6 +164,7 @@ class StateHolder(WorkerProcess):
                 self.unloaded_groups.pop(0)
             elif self.unloaded_volatile:
                 self.load(set(self.unloaded_volatile))
+            context.after_load(self.namespace)
             if not self.unloaded_names():
                 trace.stamp("loaded", self.manifest["name"])
                 self.fork_deferred()
