@@ -254,6 +254,20 @@ def test_figures_of_a_backend_the_notebook_chose_are_not_shown_until_inline_draw
     assert texts(r[3]["output"]) == [("stdout", "1\n")]
 
 
+def test_an_unknown_backend_is_refused_as_in_ipykernel(server):
+    """`matplotlib.use('Qt4Agg')` lists the valid backends: matplotlib's own and "inline"
+    (ipykernel's), not the module our inline backend is loaded from."""
+    listed = subprocess.run(
+        [sys.executable, "-c", "from matplotlib.backends.registry import backend_registry\n"
+         "print(backend_registry.list_all())"],
+        capture_output=True, text=True, check=True).stdout.strip()
+    assert "'inline'" in listed
+    r = run(server, "import matplotlib.pyplot as plt\nplt.plot([1, 2])",
+            "import matplotlib\nmatplotlib.use('Qt4Agg')")
+    assert r[1]["error"]["evalue"] == (
+        f"'Qt4Agg' is not a valid value for backend; supported values are {listed}")
+
+
 @pytest.mark.parametrize("fmt", ["svg", "retina"])
 def test_figure_format_and_dpi_settings(make_server, fmt):
     """display.figure_format and display.figure_dpi change the figure output."""

@@ -136,3 +136,8 @@ def prepare_matplotlib(settings):
         with contextlib.suppress(Exception):
             use_inline_backend()
         mpl.interactive(True)
+    # matplotlib adds each module:// backend it has used to the valid names that
+    # `matplotlib.use`'s error lists: ours stands for ipykernel's, listed as "inline".
+    registry = getattr(sys.modules.get("matplotlib.backends.registry"), "backend_registry", None)
+    with contextlib.suppress(Exception):
+        registry._backend_to_gui_framework.pop(MPL_BACKEND, None)
