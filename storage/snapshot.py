@@ -224,6 +224,17 @@ def save_groups(store, manifest, namespace, dirty, settings, class_tag="", paren
     return records
 
 
+def describe_again(manifest, namespace, held_outside, limit):
+    """Describe again the variables whose value `held_outside` says is kept outside its
+    pickle (a widget is pickled as its model id, its value kept in the context): their
+    group is carried unchanged while what they show changed."""
+    for name, described in manifest["variables"].items():
+        value = namespace.get(name)
+        if described["type"] != "module" and held_outside(value):
+            manifest["variables"][name] = {"type": type_name(value),
+                                           "repr": short_repr(value, limit)}
+
+
 def _value_hash(value, namespace, class_tag, settings, references):
     """The symbol hash of one value on its own (for members of larger groups)."""
     pickled = serializer.dumps([value], namespace, class_tag,

@@ -12,6 +12,7 @@ import contextlib
 import gc
 import os
 import select
+import sys
 import traceback
 import types
 
@@ -21,7 +22,7 @@ from kernel.protocol import ExecuteAnswer
 from kernel.worker import context, execution, limits, reads, replay
 from kernel.worker.capture import comms
 from kernel.worker.process import fork_worker, threads_lost_on_fork, user_names
-from storage import snapshot
+from storage import serializer, snapshot
 from storage.store import StoreError
 
 # After its answer, the child that made a state forks the state's holder after this long
@@ -220,6 +221,10 @@ class CellChild:
         records = snapshot.save_groups(store, manifest, self.state.namespace, sorted(dirty),
                                        self.state.settings, class_tag=tag, parent=parent,
                                        rebound=rebound)
+        if "ipywidgets" in sys.modules:  # a slider moved changes no variable's pickle
+            snapshot.describe_again(manifest, self.state.namespace,
+                                    serializer.rebuildable_widget,
+                                    self.state.settings["store.repr_max_chars"])
         made_context = self.save_context(store, manifest, records)
         snapshot.commit(store, manifest, records, replaced)
         self.state.context = made_context
