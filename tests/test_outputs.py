@@ -255,17 +255,23 @@ def test_figures_of_a_backend_the_notebook_chose_are_not_shown_until_inline_draw
 
 
 def test_an_unknown_backend_is_refused_as_in_ipykernel(server):
-    """`matplotlib.use('Qt4Agg')` lists the valid backends: matplotlib's own and "inline"
-    (ipykernel's), not the module our inline backend is loaded from."""
-    listed = subprocess.run(
-        [sys.executable, "-c", "from matplotlib.backends.registry import backend_registry\n"
-         "print(backend_registry.list_all())"],
-        capture_output=True, text=True, check=True).stdout.strip()
-    assert "'inline'" in listed
-    r = run(server, "import matplotlib.pyplot as plt\nplt.plot([1, 2])",
-            "import matplotlib\nmatplotlib.use('Qt4Agg')")
-    assert r[1]["error"]["evalue"] == (
-        f"'Qt4Agg' is not a valid value for backend; supported values are {listed}")
+    """After pyplot has drawn, `matplotlib.use('Qt4Agg')` lists the valid backends as in
+    ipykernel (matplotlib's own, "inline" and ipykernel's inline module), not the module
+    our inline backend is loaded from."""
+    from test_jupyter import Kernel
+    pytest.importorskip("ipykernel")
+    cells = ("import matplotlib.pyplot as plt\nplt.plot([1, 2])",
+             "import matplotlib\nmatplotlib.use('Qt4Agg')")
+    k = Kernel(spec="python3")
+    try:
+        assert k.run(cells[0])[0]["status"] == "ok"
+        expected = k.run(cells[1])[0]
+    finally:
+        k.stop()
+    assert "'module://matplotlib_inline.backend_inline'" in expected["evalue"]
+    r = run(server, *cells)
+    assert (r[1]["error"]["ename"], r[1]["error"]["evalue"]) == (
+        expected["ename"], expected["evalue"])
 
 
 @pytest.mark.parametrize("fmt", ["svg", "retina"])

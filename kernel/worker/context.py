@@ -484,7 +484,7 @@ _mpl_last = [None, None]
 _SERVER_RC = ("backend", "interactive")
 # The backends that mean "inline" here (kernel/worker/capture/figures.py), kept as the
 # server's; any other a notebook chose is kept with its state.
-_INLINE_BACKENDS = (figures.MPL_BACKEND, "agg", "module://matplotlib_inline.backend_inline")
+_INLINE_BACKENDS = (figures.MPL_BACKEND, "agg", figures.IPYKERNEL_BACKEND)
 
 
 def _rc_get():

@@ -103,3 +103,7 @@ def warm():
     with contextlib.suppress(Exception):
         import matplotlib  # noqa: F401
         figures.prepare_matplotlib(None)
+        # matplotlib's backend entry points (60 ms), read once here rather than in the
+        # first cell that draws (prepare_matplotlib).
+        from matplotlib.backends.registry import backend_registry
+        backend_registry.list_all()

@@ -15,6 +15,7 @@ from kernel.worker.capture import collector
 
 # Backend name under which mpl_backend.py is loaded by matplotlib.
 MPL_BACKEND = "module://kernel.worker.capture.mpl_backend"
+IPYKERNEL_BACKEND = "module://matplotlib_inline.backend_inline"  # what ours stands for
 
 _user_figure_formats = [None]  # set by %config InlineBackend.figure_format(s)
 _dpi_applied = [None]
@@ -132,12 +133,16 @@ def prepare_matplotlib(settings):
                 mpl.rcParams["figure.dpi"] = dpi
                 _dpi_applied[0] = dpi
     current = mpl.rcParams._get("backend")
-    if not isinstance(current, str) or current.lower() in ("agg", "module://matplotlib_inline.backend_inline"):
+    if not isinstance(current, str) or current.lower() in ("agg", IPYKERNEL_BACKEND):
         with contextlib.suppress(Exception):
             use_inline_backend()
         mpl.interactive(True)
     # matplotlib adds each module:// backend it has used to the valid names that
-    # `matplotlib.use`'s error lists: ours stands for ipykernel's, listed as "inline".
+    # `matplotlib.use`'s error lists: ours is listed under the name of ipykernel's, which
+    # it stands for (Lecture-4 of the corpus shows that list).
     registry = getattr(sys.modules.get("matplotlib.backends.registry"), "backend_registry", None)
     with contextlib.suppress(Exception):
-        registry._backend_to_gui_framework.pop(MPL_BACKEND, None)
+        used = registry._backend_to_gui_framework
+        if MPL_BACKEND in used:
+            registry.list_all()  # loads the entry points ("inline") first, as ipykernel's do
+            used[IPYKERNEL_BACKEND] = used.pop(MPL_BACKEND)
