@@ -138,9 +138,6 @@ def test_widgets_through_the_api(make_server, tmp_path):
     moved = srv.execute(comm_cell("comm_msg", {"comm_id": sliders[0]["comm_id"], "data": {
         "method": "update", "state": {"value": 8}, "buffer_paths": []}}), "w1", "w2")
     assert moved["volatile_symbols"] == ["Mine", "mine"]
-    # The state describes the slider as moved, though its variable pickles as before.
-    described = srv.get("/states/w2").json()["variables"]["slider"]
-    assert described == {"type": "IntSlider", "repr": "IntSlider(value=8, max=10)"}
     srv.execute("slider.max = 20", "w2", "w2b")  # a cell's change, from a later state
     srv.stop()
     srv = make_server(tmp_path / "data")
@@ -159,6 +156,22 @@ def test_widgets_through_the_api(make_server, tmp_path):
     assert [x["msg_type"] for x in lines if x["type"] == "comm"] == ["comm_close"]
     assert lines[-1]["answer"]["error"]["ename"] == "CommNotHandled"
     assert srv.get("/states/w4").status_code == 404
+
+
+def test_a_moved_widget_is_described_as_it_is(server):
+    """A slider moved from the page, or by a cell, pickles as before (its value is in the
+    state's context), yet the state describes it with its new value."""
+    from kernel.protocol import comm_cell
+    server.execute(SLIDER, new="d1")
+    comm_id = server.value("d1", "slider.model_id").strip("'")
+    server.execute(comm_cell("comm_msg", {"comm_id": comm_id, "data": {
+        "method": "update", "state": {"value": 8}, "buffer_paths": []}}), "d1", "d2")
+    server.execute("slider.value = 5", "d2", "d3")
+    described = {name: server.get(f"/states/{name}").json()["variables"]["slider"]["repr"]
+                 for name in ("d1", "d2", "d3")}
+    assert described == {"d1": "IntSlider(value=3, max=10)",
+                         "d2": "IntSlider(value=8, max=10)",
+                         "d3": "IntSlider(value=5, max=10)"}
 
 
 def test_message_id_through_the_api(make_server, tmp_path):
