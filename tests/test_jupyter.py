@@ -71,6 +71,14 @@ def stop_server(data_dir):
     psutil.wait_procs(processes, timeout=60)
 
 
+def jupyter_env(extra=None):
+    """This process's environment as a Jupyter front end gives it to a kernel, with
+    `extra`: without the MPLBACKEND a test run may set (CI's environment sets Agg), so
+    that ipykernel draws with its own inline backend."""
+    env = {k: v for k, v in os.environ.items() if k != "MPLBACKEND"}
+    return {**env, **(extra or {})}
+
+
 class Kernel:
     """A kernel of the test kernelspec, started by jupyter_client, and a blocking client."""
 
@@ -78,7 +86,7 @@ class Kernel:
         """Start the kernel (of kernelspec `spec`: ipykernel's is "python3") and wait
         until it answers."""
         self.manager = jupyter_client.KernelManager(kernel_name=spec)
-        self.manager.start_kernel(env={**os.environ, **(env or {})}, cwd=cwd or ROOT)
+        self.manager.start_kernel(env=jupyter_env(env), cwd=cwd or ROOT)
         self.client = self.manager.client()
         self.client.start_channels()
         self.client.wait_for_ready(timeout=120)
@@ -363,8 +371,8 @@ class Lab:
              "--ServerApp.ip=127.0.0.1", f"--ServerApp.port={self.port}",
              "--ServerApp.port_retries=0", f"--IdentityProvider.token={self.token}",
              f"--ServerApp.root_dir={self.root}"],
-            env={**os.environ, "JUPYTER_CONFIG_DIR": str(tmp_path / "config"),
-                 "JUPYTER_RUNTIME_DIR": str(tmp_path / "runtime")},
+            env=jupyter_env({"JUPYTER_CONFIG_DIR": str(tmp_path / "config"),
+                             "JUPYTER_RUNTIME_DIR": str(tmp_path / "runtime")}),
             stdout=self.log, stderr=self.log, stdin=subprocess.DEVNULL)
         options = webdriver.ChromeOptions()
         options.binary_location = chromium

@@ -254,14 +254,12 @@ def test_figures_of_a_backend_the_notebook_chose_are_not_shown_until_inline_draw
     assert texts(r[3]["output"]) == [("stdout", "1\n")]
 
 
-def test_an_unknown_backend_is_refused_as_in_ipykernel(server, monkeypatch):
+def test_an_unknown_backend_is_refused_as_in_ipykernel(server):
     """After pyplot has drawn, `matplotlib.use('Qt4Agg')` lists the valid backends as in
     ipykernel (matplotlib's own, "inline" and ipykernel's inline module), not the module
     our inline backend is loaded from."""
     from test_jupyter import Kernel
     pytest.importorskip("ipykernel")
-    # ipykernel as in Jupyter: its inline backend, not the Agg a test run may set (CI does).
-    monkeypatch.delenv("MPLBACKEND", raising=False)
     cells = ("import matplotlib.pyplot as plt\nplt.plot([1, 2])",
              "import matplotlib\nmatplotlib.use('Qt4Agg')")
     k = Kernel(spec="python3")

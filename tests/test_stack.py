@@ -13,6 +13,7 @@ import jupyter_client
 import pytest
 
 from test_context import restarted_before_every_cell
+from test_jupyter import jupyter_env
 from test_store import store_bytes
 
 # library: (the cell that makes the value, a probe of it, what the probe shows)
@@ -108,7 +109,8 @@ def test_a_value_survives_a_restart_and_is_not_stored_again(make_server, tmp_pat
 @pytest.fixture(scope="module")
 def ipykernel():
     """A real ipykernel, as a notebook front end drives it."""
-    manager, client = jupyter_client.manager.start_new_kernel(kernel_name="python3")
+    manager, client = jupyter_client.manager.start_new_kernel(kernel_name="python3",
+                                                              env=jupyter_env())
     yield client
     client.stop_channels()
     manager.shutdown_kernel(now=True)
@@ -219,7 +221,8 @@ def test_bokeh_after_a_restart_is_as_in_ipykernel(make_server, tmp_path):
     answers = restarted_before_every_cell(make_server, tmp_path / "store", cells)
     assert [a["error"] for a in answers] == [None] * len(cells), answers
     ours = ids([o for a in answers[2:] for o in a["output"]])
-    manager, client = jupyter_client.manager.start_new_kernel(kernel_name="python3")
+    manager, client = jupyter_client.manager.start_new_kernel(kernel_name="python3",
+                                                              env=jupyter_env())
     try:
         expected = ids([o for code in cells for o in in_ipykernel(client, code)])
     finally:
