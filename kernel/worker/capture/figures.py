@@ -8,6 +8,7 @@ cell chose another with `%config InlineBackend.figure_format`.
 
 import base64
 import contextlib
+import functools
 import io
 import sys
 
@@ -138,11 +139,24 @@ def prepare_matplotlib(settings):
             use_inline_backend()
         mpl.interactive(True)
     # matplotlib adds each module:// backend it has used to the valid names that
-    # `matplotlib.use`'s error lists: ours is listed under the name of ipykernel's, which
-    # it stands for (Lecture-4 of the corpus shows that list).
+    # `matplotlib.use`'s error lists: ours is listed as ipykernel's would be, under its
+    # name or not at all (Lecture-4 of the corpus shows that list).
     registry = getattr(sys.modules.get("matplotlib.backends.registry"), "backend_registry", None)
     with contextlib.suppress(Exception):
         used = registry._backend_to_gui_framework
         if MPL_BACKEND in used:
             registry.list_all()  # loads the entry points ("inline") first, as ipykernel's do
-            used[IPYKERNEL_BACKEND] = used.pop(MPL_BACKEND)
+            ours = used.pop(MPL_BACKEND)
+            if _ipykernel_lists_its_backend():
+                used[IPYKERNEL_BACKEND] = ours
+
+
+@functools.cache
+def _ipykernel_lists_its_backend():
+    """Whether, in ipykernel with this IPython, matplotlib's registry lists the inline
+    backend's module:// name once pyplot has drawn. IPython 8.24 and later resolve the
+    backend through the registry (which records it) when matplotlib manages backends
+    (3.9 and later); earlier IPython (CI's Python has 8.12) never does."""
+    from IPython.core import pylabtools
+    manages = getattr(pylabtools, "_matplotlib_manages_backends", None)
+    return bool(manages and manages())
