@@ -57,8 +57,13 @@ def threads_lost_on_fork(patterns):
     but the libraries that start them (OpenBLAS, jemalloc) restart them in the child."""
     if not patterns:
         return []
+    key = (frozenset(os.listdir("/proc/self/task")), tuple(patterns))
+    if _last_threads[0] == key and _last_threads[2]:
+        # The same threads as at the last two calls (one after every cell): reading
+        # each one's name costs 0.15 ms a cell, the listing alone 7 us.
+        return list(_last_threads[1])
     found = []
-    for tid in os.listdir("/proc/self/task"):
+    for tid in key[0]:
         try:
             with open(f"/proc/self/task/{tid}/comm") as f:
                 name = f.read().strip()
@@ -66,7 +71,13 @@ def threads_lost_on_fork(patterns):
             continue
         if any(re.fullmatch(p, name) for p in patterns):
             found.append(name)
-    return found
+    # Trusted from the second reading on: a new thread names itself just after it starts.
+    confirmed = _last_threads[0] == key and sorted(_last_threads[1]) == sorted(found)
+    _last_threads[:] = [key, found, confirmed]
+    return list(found)
+
+
+_last_threads = [None, [], False]  # [(thread ids, patterns), names found, read twice]
 
 
 def fresh_main():
