@@ -6,7 +6,7 @@ error `{"error": {"type", "message"}}`.
 """
 
 from kernel.errors import (Conflict, InvalidRequest, KernelError, NotebookNotFound,
-                           RequestFailed, StateNotFound)
+                           RequestFailed, ServerStopping, StateNotFound)
 from storage.remote import NameConflict, RemoteUnavailable
 from storage.store import StoreCorrupt, StoreError, StoreFull
 
@@ -28,6 +28,7 @@ _STATUSES = (
     (NotebookNotFound, 404, None),
     (Conflict, 409, None),
     (RequestFailed, 500, None),
+    (ServerStopping, 503, None),
     (KernelError, 500, None),
     (StoreFull, 507, "StoreFull"),
     # Damaged bytes on disk: the server's data is wrong, not the request.

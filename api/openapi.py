@@ -355,7 +355,7 @@ def document(version=__version__):
                 ["notebook", "cells"]),
             "responses": _answer(_NOTEBOOK_RECORD, "The run's record (a failed fresh run "
                                                    "answers 200 too: see its receipt)",
-                                 body_errors + (409, 507), _NOTEBOOK_LINE)}},
+                                 body_errors + (409, 503, 507), _NOTEBOOK_LINE)}},
         "/notebooks": {"get": {
             "summary": "Every notebook with a record",
             "responses": _answer({"type": "object", "required": ["notebooks"],
@@ -388,7 +388,7 @@ def document(version=__version__):
                              404: "Unknown state or notebook", 409: "Conflict",
                              413: "Body larger than max_body_mb",
                              500: "StoreCorrupt: a stored value needed is damaged on disk",
-                             503: "Store unavailable",
+                             503: "Store unavailable, or the server is stopping",
                              507: "StoreFull: max_store_gb or the file system is full"}.items()}
     return copy.deepcopy({
         "openapi": "3.0.3",

@@ -26,6 +26,7 @@ from api.errors import BadRequest, PayloadTooLarge, status_of
 from api.validation import check_body, check_state_name
 from kernel import config as config_mod
 from kernel import trace
+from kernel.errors import ServerStopping
 from kernel.protocol import FreshOptions, NotebookCell, NotebookRequest
 from kernel.server.registry import Registry
 from storage.store import claim_store
@@ -85,6 +86,11 @@ class Service:
                 from kernel.notebook.incremental import NotebookRunner
                 self._notebooks = NotebookRunner(registry)
             return self._notebooks
+
+    @property
+    def stopping(self):
+        """Whether the server is stopping: its registry is closed."""
+        return self._registry is not None and self._registry.closed
 
     def close(self):
         """Stop the workers (a request waiting on one then ends at once)."""
@@ -160,6 +166,10 @@ def route(method, path, auth=True):
 def _failure(exc, method, path):
     """The JSON error answering `exc`."""
     found = status_of(exc)
+    if found is None and service.stopping:
+        # Whatever the request met once the store and workers closed under it.
+        exc = ServerStopping()
+        found = status_of(exc)
     if found is None:
         log.exception("internal error on %s %s", method, path)
         return _error_response(500, "InternalError", f"{type(exc).__name__}: {exc}")

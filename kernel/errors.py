@@ -45,3 +45,14 @@ class Conflict(KernelError):
 
 class RequestFailed(KernelError):
     """A worker could not carry out a request that is not a cell (e.g. a rebuild)."""
+
+
+class ServerStopping(KernelError):
+    """The server is stopping (SIGTERM, Ctrl-C): its workers and store were closed under
+    a request still running."""
+
+    etype = "ServerStopping"
+
+    def __init__(self):
+        super().__init__("the server is stopping, and this request was cut short; send "
+                         "it again once the server is back")

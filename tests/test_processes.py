@@ -128,6 +128,34 @@ def test_server_never_forks_and_sigterm_leaves_no_worker(make_server):
     assert not alive, [p.pid for p in alive]
 
 
+@pytest.mark.parametrize("route", ["/execute", "/notebooks/run"])
+def test_a_request_running_at_sigterm_answers_503(make_server, gate, route):
+    """A request whose cell runs when the server is told to stop is answered 503
+    ServerStopping (the workers and store closed under it), not a 500 or an error of
+    the cell."""
+    srv = make_server()
+    srv.execute("x = 1", new="a")
+    waiting = gate()
+    if route == "/execute":
+        body = {"code": waiting.code, "state_name": "a", "exec_id": "held"}
+    else:
+        body = {"notebook": "nb", "cells": [{"id": "one", "source": "y = 1"},
+                                            {"id": "two", "source": waiting.code},
+                                            {"id": "three", "source": "z = 3"}]}
+    answer = in_thread(srv.post, route, json=body, timeout=120)
+    (pid,) = waiting.arrived()
+    cell = psutil.Process(pid)
+    srv.stop(signal.SIGTERM)
+    assert srv.proc.returncode == 0
+    _, alive = psutil.wait_procs([cell], timeout=60)
+    assert not alive  # stopped with the server: the gate was never opened
+    r = answer.result(timeout=120)
+    assert r.status_code == 503, r.text
+    assert r.json() == {"error": {"type": "ServerStopping", "message": (
+        "the server is stopping, and this request was cut short; send it again once the "
+        "server is back")}}
+
+
 def test_ctrl_c_stops_cleanly(make_server):
     srv = make_server()
     srv.execute("y = 2", new="c")

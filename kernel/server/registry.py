@@ -12,7 +12,7 @@ import threading
 import uuid
 
 from kernel import protocol, trace
-from kernel.errors import Conflict, InvalidRequest, RequestFailed, StateNotFound
+from kernel.errors import Conflict, InvalidRequest, RequestFailed, ServerStopping, StateNotFound
 from kernel.protocol import ExecuteAnswer
 from kernel.server.pool import Pool
 from kernel.files import sha256_file
@@ -221,6 +221,8 @@ class Registry:
                                    keep_on_error=keep_on_error, message_id=message_id)
         result, child = self.cell_runs.run(manifest, request, on_output, cancel)
         answer = result.answer
+        if answer.error is not None and self.closed:
+            raise ServerStopping()  # its process was stopped with the others
         self._raise_store_error(answer.error, request.new_name)
         kept = result.manifest is None or self._bind(result.manifest, child, generation,
                                                      keep_live and result.holder)
