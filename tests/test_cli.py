@@ -30,6 +30,20 @@ def wait_health(url, proc, timeout=60):
     assert wait_for(up, "the server to answer /health", timeout) == {"status": "ok"}
 
 
+def served_cell(args, code, env=None):
+    """Serve with `main.py --bind ... --token t ARGS` (in `env`), run `code` from
+    `initial` once it answers, stop it: the cell's answer."""
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    proc = start(["main.py", "--bind", f"127.0.0.1:{port}", "--token", "t", *args], env)
+    try:
+        wait_health(url, proc)
+        return requests.post(url + "/execute", params={"token": "t"}, timeout=60,
+                             json={"code": code, "exec_id": "c", "state_name": "initial"}).json()
+    finally:
+        stop(proc)
+
+
 def stop(proc):
     """SIGTERM and wait; returns (stdout, stderr)."""
     proc.send_signal(signal.SIGTERM)
@@ -121,17 +135,8 @@ def test_bottle_command_line_form(tmp_path):
 def test_default_store_is_in_the_users_data_folder(tmp_path):
     """Without --data-dir or a configured data_dir the store is
     $XDG_DATA_HOME/snapshot-kernel/store, whatever the working directory."""
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    proc = start(["main.py", "--bind", f"127.0.0.1:{port}", "--token", "t"],
-                 {"XDG_DATA_HOME": str(tmp_path / "xdg")})
-    try:
-        wait_health(url, proc)
-        r = requests.post(url + "/execute", params={"token": "t"}, timeout=60,
-                          json={"code": "x = 1", "exec_id": "d", "state_name": "initial"})
-        assert r.json()["error"] is None
-    finally:
-        stop(proc)
+    answer = served_cell([], "x = 1", {"XDG_DATA_HOME": str(tmp_path / "xdg")})
+    assert answer["error"] is None and answer["state_name"]
     assert (tmp_path / "xdg" / "snapshot-kernel" / "store" / "data.mdb").exists()
 
 
@@ -142,17 +147,8 @@ def test_relative_paths_of_a_config_file_are_relative_to_its_folder(tmp_path):
     folder.mkdir()
     config = folder / "server.toml"
     config.write_text('[server]\ndata_dir = "my-store"\nlog_file = "logs.txt"\n')
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    proc = start(["main.py", "--bind", f"127.0.0.1:{port}", "--token", "t",
-                  "--config", str(config)])
-    try:
-        wait_health(url, proc)
-        r = requests.post(url + "/execute", params={"token": "t"}, timeout=60,
-                          json={"code": "y = 2", "exec_id": "r", "state_name": "initial"})
-        assert r.json()["error"] is None
-    finally:
-        stop(proc)
+    answer = served_cell(["--config", str(config)], "y = 2")
+    assert answer["error"] is None and answer["state_name"]
     assert (folder / "my-store" / "data.mdb").exists()
     assert (folder / "logs.txt").exists()
     assert not os.path.exists(os.path.join(ROOT, "my-store"))
