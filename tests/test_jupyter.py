@@ -73,8 +73,8 @@ def stop_server(data_dir):
 
 def jupyter_env(extra=None):
     """This process's environment as a Jupyter front end gives it to a kernel, with
-    `extra`: without the MPLBACKEND a test run may set (CI's environment sets Agg), so
-    that ipykernel draws with its own inline backend."""
+    `extra`: without the MPLBACKEND a test run may set (the loaded series export Agg,
+    a headless shell often does), so that ipykernel draws with its own inline backend."""
     env = {k: v for k, v in os.environ.items() if k != "MPLBACKEND"}
     return {**env, **(extra or {})}
 
