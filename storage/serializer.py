@@ -195,20 +195,35 @@ SINGLETONS = {"matplotlib": ("rcParams", "rcParamsDefault", "rcParamsOrig")}
 
 
 def library_attribute(name, value):
-    """(package, name) when `value` is the object the top-level package of its class
+    """(package, name) when `value` is the object the top-level package of its module
     holds as `name` (a library's own object, as `from sympy import *` brings `RR`),
-    so it is pickled as that attribute; else None. Functions, classes and modules
-    are pickled by reference already; the package's dict is read, not getattr, which
-    could import a lazy submodule."""
-    if isinstance(value, (type, types.FunctionType, types.BuiltinFunctionType,
-                          types.ModuleType)):
+    so it is pickled as that attribute; else None. Modules, and the functions and
+    classes that pickle finds by their qualified name, are pickled by reference
+    already; a function it cannot find so (sympy's `cacheit`, made by a decorator
+    factory) is the library's all the same. The package's dict is read, not
+    getattr, which could import a lazy submodule."""
+    if isinstance(value, types.ModuleType):
         return None
-    module = getattr(type(value), "__module__", None)
+    if isinstance(value, (type, types.FunctionType, types.BuiltinFunctionType)):
+        module = getattr(value, "__module__", None)
+        if not isinstance(module, str) or _found_by_qualname(value, module):
+            return None
+    else:
+        module = getattr(type(value), "__module__", None)
     if not isinstance(module, str) or module in ("builtins", "__main__"):
         return None
     package = module.partition(".")[0]
     held = getattr(sys.modules.get(package), "__dict__", {}).get(name)
     return (package, name) if held is value else None
+
+
+def _found_by_qualname(value, module):
+    """True if `module`.`value.__qualname__` is `value` (read from the dicts on the way):
+    pickle then saves it by reference itself."""
+    found = sys.modules.get(module)
+    for part in str(getattr(value, "__qualname__", "")).split("."):
+        found = getattr(found, "__dict__", {}).get(part)
+    return found is value
 
 
 def _library_singletons():

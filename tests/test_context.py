@@ -16,6 +16,7 @@ import nbformat
 import pytest
 
 from conftest import ROOT
+from storage.store import Store
 
 # Sets every item a state keeps, the way a notebook would.
 SETUP = textwrap.dedent("""\
@@ -313,10 +314,12 @@ def test_a_cell_importing_a_package_finds_the_submodules_the_session_imported(
 def test_a_librarys_own_objects_held_by_name_are_the_librarys_after_a_restart(
         make_server, tmp_path):
     """`from pylab import *` puts matplotlib's `rcParams` in the namespace, `from sympy
-    import *` sympy's domains (`RR`): stored as the library's attributes, they are the
-    process's objects again after a restore (copies did not load: rcParams' backend
-    sentinel, RR's mpmath context). An open figure of another backend, then
-    `%matplotlib inline`, as in a tutorial that switches backends."""
+    import *` sympy's domains (`RR`) and its `cacheit` (a function pickle cannot find
+    by its name: dill tried for seconds, then left it volatile): stored as the
+    library's attributes, they are the process's objects again after a restore
+    (copies did not load: rcParams' backend sentinel, RR's mpmath context). An open
+    figure of another backend, then `%matplotlib inline`, as in a tutorial that
+    switches backends."""
     data = tmp_path / "store"
     srv = make_server(data)
     srv.execute("import sympy, matplotlib\nfrom sympy import *\n"
@@ -324,15 +327,23 @@ def test_a_librarys_own_objects_held_by_name_are_the_librarys_after_a_restart(
                 "import matplotlib.pyplot as plt\nfig, ax = plt.subplots()\n"
                 "line = ax.plot([1, 2])", new="held")
     probe = ("%matplotlib inline\n"
-             "(rcParams is matplotlib.rcParams, RR is sympy.RR, RR(1) + 1, len(fig.axes))")
+             "(rcParams is matplotlib.rcParams, RR is sympy.RR, cacheit is sympy.cacheit,"
+             " RR(1) + 1, len(fig.axes))")
     live = srv.execute(probe, state="held")
     srv.stop()
+    store = Store(str(data))
+    try:  # every value stored, by the C pickler: none fell to dill, none left volatile
+        manifest = store.manifest("held")
+        assert {g["pickler"] for g in manifest["groups"]} == {"c"}
+        assert manifest["volatile"] == {}
+    finally:
+        store.close()
     srv = make_server(data)
     restored = srv.execute(probe, state="held")
     assert restored["error"] is None, restored["error"]
     result = [o["data"]["text/plain"] for o in restored["output"]
               if o["output_type"] == "execute_result"]
-    assert result == ["(True, True, mpf('2.0'), 1)"]
+    assert result == ["(True, True, True, mpf('2.0'), 1)"]
     assert [o["output_type"] for o in restored["output"]] == [
         o["output_type"] for o in live["output"]]
 
