@@ -21,7 +21,8 @@ if all hold:
   older states; no state is listed that no execution asked for.
 
 It prints one line per round and `survived N/M rounds`; exit status 0 when
-every round survived. The suite runs a 5-round version (tests/test_faults.py).
+every round survived. The suite runs 5 rounds with `--max-delay 1`
+(tests/test_faults.py).
 """
 
 import argparse
