@@ -195,19 +195,26 @@ SINGLETONS = {"matplotlib": ("rcParams", "rcParamsDefault", "rcParamsOrig")}
 
 
 def library_attribute(name, value):
-    """(package, name) when `value` is the object the top-level package of its module
-    holds as `name` (a library's own object, as `from sympy import *` brings `RR`),
-    so it is pickled as that attribute; else None. Modules, and the functions and
-    classes that pickle finds by their qualified name, are pickled by reference
-    already; a function it cannot find so (sympy's `cacheit`, made by a decorator
-    factory) is the library's all the same. The package's dict is read, not
-    getattr, which could import a lazy submodule."""
+    """(module, attribute) when `value` is a library's own object held there (as `from
+    sympy import *` brings `RR`), so it is pickled as that attribute; else None.
+
+    An object counts when the top-level package of its class holds it as `name`.
+    Modules, and the functions and classes that pickle finds by their qualified
+    name, are pickled by reference already; a function it cannot find so
+    (sympy's `cacheit`, made by a decorator factory) counts when its module holds
+    it under any name, or its package as `name`. Dicts are read, not getattr,
+    which could import a lazy submodule."""
     if isinstance(value, types.ModuleType):
         return None
     if isinstance(value, (type, types.FunctionType, types.BuiltinFunctionType)):
         module = getattr(value, "__module__", None)
         if not isinstance(module, str) or _found_by_qualname(value, module):
             return None
+        if module not in ("builtins", "__main__"):
+            attributes = list(getattr(sys.modules.get(module), "__dict__", {}).items())
+            held_as = next((k for k, v in attributes if v is value), None)
+            if held_as is not None:
+                return (module, held_as)
     else:
         module = getattr(type(value), "__module__", None)
     if not isinstance(module, str) or module in ("builtins", "__main__"):

@@ -330,12 +330,15 @@ def test_a_librarys_own_objects_held_by_name_are_the_librarys_after_a_restart(
              "(rcParams is matplotlib.rcParams, RR is sympy.RR, cacheit is sympy.cacheit,"
              " RR(1) + 1, len(fig.axes))")
     live = srv.execute(probe, state="held")
+    # The same function under a name of the user's, imported from its module.
+    srv.execute("from sympy.core.cache import cacheit as memo", new="memo")
     srv.stop()
     store = Store(str(data))
     try:  # every value stored, by the C pickler: none fell to dill, none left volatile
-        manifest = store.manifest("held")
-        assert {g["pickler"] for g in manifest["groups"]} == {"c"}
-        assert manifest["volatile"] == {}
+        for state in ("held", "memo"):
+            manifest = store.manifest(state)
+            assert {g["pickler"] for g in manifest["groups"]} == {"c"}, state
+            assert manifest["volatile"] == {}, state
     finally:
         store.close()
     srv = make_server(data)
