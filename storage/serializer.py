@@ -157,6 +157,9 @@ class _GroupPickler(cloudpickle.Pickler):
             _track_class(obj, self._class_tag)
         elif (where := self._references.get(id(obj))) is not None:
             return (_module_attribute, where)
+        elif isinstance(obj, (type, types.FunctionType)) and (
+                where := _held_by_its_module(obj)) is not None:
+            return (_module_attribute, where)
         elif (reduced := canonical.reduce(obj)) is not None:
             return reduced
         elif rebuildable_widget(obj):
@@ -195,28 +198,15 @@ SINGLETONS = {"matplotlib": ("rcParams", "rcParamsDefault", "rcParamsOrig")}
 
 
 def library_attribute(name, value):
-    """(module, attribute) when `value` is a library's own object held there (as `from
-    sympy import *` brings `RR`), so it is pickled as that attribute; else None.
-
-    An object counts when the top-level package of its class holds it as `name`.
-    Modules, and the functions and classes that pickle finds by their qualified
-    name, are pickled by reference already; a function it cannot find so
-    (sympy's `cacheit`, made by a decorator factory) counts when its module holds
-    it under any name, or its package as `name`. Dicts are read, not getattr,
-    which could import a lazy submodule."""
-    if isinstance(value, types.ModuleType):
+    """(package, name) when `value` is the object the top-level package of its class
+    holds as `name` (a library's own object, as `from sympy import *` brings `RR`),
+    so it is pickled as that attribute; else None. Functions, classes and modules
+    are pickled by reference already (see _held_by_its_module); the package's dict
+    is read, not getattr, which could import a lazy submodule."""
+    if isinstance(value, (type, types.FunctionType, types.BuiltinFunctionType,
+                          types.ModuleType)):
         return None
-    if isinstance(value, (type, types.FunctionType, types.BuiltinFunctionType)):
-        module = getattr(value, "__module__", None)
-        if not isinstance(module, str) or _found_by_qualname(value, module):
-            return None
-        if module not in ("builtins", "__main__"):
-            attributes = list(getattr(sys.modules.get(module), "__dict__", {}).items())
-            held_as = next((k for k, v in attributes if v is value), None)
-            if held_as is not None:
-                return (module, held_as)
-    else:
-        module = getattr(type(value), "__module__", None)
+    module = getattr(type(value), "__module__", None)
     if not isinstance(module, str) or module in ("builtins", "__main__"):
         return None
     package = module.partition(".")[0]
@@ -224,13 +214,23 @@ def library_attribute(name, value):
     return (package, name) if held is value else None
 
 
-def _found_by_qualname(value, module):
-    """True if `module`.`value.__qualname__` is `value` (read from the dicts on the way):
-    pickle then saves it by reference itself."""
-    found = sys.modules.get(module)
-    for part in str(getattr(value, "__qualname__", "")).split("."):
+def _held_by_its_module(obj):
+    """(module, attribute) of a library function or class that pickle cannot find by
+    its qualified name (sympy's `cacheit`, made by a decorator factory: cloudpickle
+    would copy it by value, and failing that dill would spend seconds and fail too),
+    when its module holds it under some name; else None. Dicts are read, not getattr,
+    which could import a lazy submodule."""
+    module = getattr(obj, "__module__", None)
+    if not isinstance(module, str) or module in ("builtins", "__main__"):
+        return None
+    attributes = getattr(sys.modules.get(module), "__dict__", {})
+    first, *inner = str(getattr(obj, "__qualname__", "")).split(".")
+    found = attributes.get(first)
+    for part in inner:
         found = getattr(found, "__dict__", {}).get(part)
-    return found is value
+    if found is obj:
+        return None  # pickle saves it by reference itself
+    return next(((module, k) for k, v in list(attributes.items()) if v is obj), None)
 
 
 def _library_singletons():

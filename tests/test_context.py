@@ -330,12 +330,15 @@ def test_a_librarys_own_objects_held_by_name_are_the_librarys_after_a_restart(
              "(rcParams is matplotlib.rcParams, RR is sympy.RR, cacheit is sympy.cacheit,"
              " RR(1) + 1, len(fig.axes))")
     live = srv.execute(probe, state="held")
-    # The same function under a name of the user's, imported from its module.
+    # The same function under a name of the user's, imported from its module; and only
+    # inside a value of the user's.
     srv.execute("from sympy.core.cache import cacheit as memo", new="memo")
+    srv.execute("import sympy.core.cache\nhandlers = {'cache': sympy.core.cache.cacheit}",
+                new="nested")
     srv.stop()
     store = Store(str(data))
     try:  # every value stored, by the C pickler: none fell to dill, none left volatile
-        for state in ("held", "memo"):
+        for state in ("held", "memo", "nested"):
             manifest = store.manifest(state)
             assert {g["pickler"] for g in manifest["groups"]} == {"c"}, state
             assert manifest["volatile"] == {}, state
@@ -349,6 +352,10 @@ def test_a_librarys_own_objects_held_by_name_are_the_librarys_after_a_restart(
     assert result == ["(True, True, True, mpf('2.0'), 1)"]
     assert [o["output_type"] for o in restored["output"]] == [
         o["output_type"] for o in live["output"]]
+    for state, held in (("memo", "memo"), ("nested", "handlers['cache']")):
+        answer = srv.execute(f"import sympy.core.cache\n{held} is sympy.core.cache.cacheit",
+                             state=state)
+        assert answer["output"][-1]["data"]["text/plain"] == "True", (state, answer)
 
 
 def test_a_backend_the_notebook_chose_is_kept_after_a_restart(make_server, tmp_path):
