@@ -428,6 +428,31 @@ def test_holders_wait_while_a_child_loads_and_not_once_it_is_killed():
     os.close(loads.fd)
 
 
+def test_a_cells_child_holds_the_child_loads_lock_while_it_saves(make_server, tmp_path):
+    """Holders restoring in the background wait while a cell's child saves, as while it
+    loads (its answer waits for the save): the child holds ChildLoads' shared lock in
+    its save, and not while the cell runs. A value's pickle records which was so."""
+    probe = ("import os\n"
+             "def _holds():\n"
+             "    for fd in os.listdir('/proc/self/fd'):\n"
+             "        try:\n"
+             "            if os.readlink(f'/proc/self/fd/{fd}').startswith('/memfd:child-loads'):\n"
+             "                inode = os.fstat(int(fd)).st_ino\n"
+             "        except OSError:\n"
+             "            pass  # the listing's own\n"
+             "    with open('/proc/locks') as f:\n"
+             "        return any(line.split()[3:5] == ['READ', str(os.getpid())] and\n"
+             "                   line.split()[5].endswith(f':{inode}') for line in f)\n"
+             "class Probe:\n"
+             "    def __reduce__(self):\n"
+             "        return (bool, (_holds(),))\n")
+    data = tmp_path / "store"
+    srv = make_server(data)
+    srv.execute(probe + "during_run = _holds()\nduring_save = Probe()", new="S")
+    srv.stop()
+    assert make_server(data).value("S", "during_run, during_save") == "(False, True)"
+
+
 def test_a_chunk_made_again_with_the_same_bytes_takes_the_key_its_digest_is_known_by():
     """A value made again (`train = df[mask]` in a re-run cell) is a new array with old
     bytes: each chunk whose XXH3-128 matches a chunk this process stored takes that

@@ -175,7 +175,10 @@ class CellChild:
         if found.dynamic:
             touched |= names_before | after
         try:
-            manifest = self.save(msg, count, touched, after, rebound, home)
+            # Holders restoring in the background wait meanwhile, as while children load:
+            # the answer waits for this save and nothing else.
+            with self.state.child_loads.held():
+                manifest = self.save(msg, count, touched, after, rebound, home)
         except StoreError as exc:  # StoreFull among them: the server answers 507
             answer.error = protocol.error(type(exc).__name__, str(exc), [])
             return None, protocol.CellResult(answer)

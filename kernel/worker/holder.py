@@ -40,10 +40,11 @@ class ChildLoads:
     (2 here), and the cell waited for both; from a second state sharing the
     frame's blobs, the first state's holder did the same to that state's
     child (issue 27). So holders load in the background only while no child
-    loads. One is made in the zygote, before any fork, and shared by all its
-    holders and their children: a child holds a POSIX lock on its file while
-    it loads. Such a lock goes with its process, so a child killed while
-    loading never holds a holder back.
+    loads, nor saves (its answer waits for the save). One is made in the
+    zygote, before any fork, and shared by all its holders and their
+    children: a child holds a POSIX lock on its file while it loads or saves.
+    Such a lock goes with its process, so a child killed meanwhile never
+    holds a holder back.
     """
 
     def __init__(self):
@@ -52,7 +53,7 @@ class ChildLoads:
 
     @contextlib.contextmanager
     def held(self):
-        """Hold the lock while loading (in a child)."""
+        """Hold the lock while loading or saving (in a child)."""
         fcntl.lockf(self.fd, fcntl.LOCK_SH)  # shared: several children may load at once
         try:
             yield
