@@ -176,8 +176,8 @@ class StateHolder(WorkerProcess):
             self.fork_deferred()
 
     def yield_to_children(self):
-        """Wait while a cell's child loads (between the chunks of a background load, which
-        may have begun before that child did)."""
+        """Wait while a cell's child loads or saves (between the chunks of a background
+        load, which may have begun before that child did)."""
         while self.child_loads.now():
             time.sleep(CHILD_LOAD_POLL_S)
 
@@ -216,7 +216,7 @@ class StateHolder(WorkerProcess):
         """Idle loop: fork children on request, load unloaded groups meanwhile.
 
         `spares` children are forked first, so that a cell finds one ready.
-        While a cell's child loads values, none are loaded here (ChildLoads).
+        While a cell's child loads values or saves, none are loaded here (ChildLoads).
         """
         self.holder_pid = os.getpid()
         for _ in range(spares):
