@@ -548,7 +548,7 @@ def _decode_into(flag, body, key, target):
             return f"corrupt: {len(data)} bytes where {size} were expected"
         # Copied first, checked in place: the bytes are read from memory once, and
         # then from the CPU's cache (the caller takes their digest from there too).
-        target[:] = data
+        pages.copy_into(target, data)
         if xxhash.xxh3_64_digest(target) != bytes(body[:_XXH_BYTES]):
             return "corrupt: its bytes do not match their XXH3 checksum"
         return None
