@@ -35,13 +35,40 @@ class DeferredServer(wsgi.Server):
     connections do, and is closed there once idle for socket_timeout_s.
     """
 
+    _queuing = False  # the main thread is handing a connection to the threads
+    _leave_after = False  # a stop came meanwhile
+
     def process_conn(self, conn):
         """Queue a connection for a thread once it has bytes to read."""
         if not getattr(conn, "snapk_waited", False):
             conn.snapk_waited = True
             self._connections.put(conn)
             return
-        super().process_conn(conn)
+        if threading.current_thread() is not threading.main_thread():
+            super().process_conn(conn)  # a kept-alive connection, from its thread
+            return
+        self._queuing = True
+        try:
+            super().process_conn(conn)
+        finally:
+            self._queuing = False
+        if self._leave_after:
+            raise SystemExit(0)
+
+    def leave(self):
+        """Leave the serving loop: called in the main thread by a stop signal's handler.
+
+        Not while the main thread hands a connection to the threads: raised
+        inside that queue's put, between threading.Condition.notify waking a
+        thread and forgetting it, SystemExit made a later wakeup go to no
+        one, so one of cheroot's threads never got the stop request it waited
+        for, and the stop waited for it until _STOP_S (1 stop in 15 here).
+        A stop that comes then leaves once the connection is queued.
+        """
+        if self._queuing:
+            self._leave_after = True
+        else:
+            raise SystemExit(0)
 
 
 class DeferredTls(BuiltinSSLAdapter):
@@ -99,11 +126,13 @@ def serve(host, port, settings, token, no_auth=False):
                                          settings["server.keyfile"])
 
     def stop(*_):
-        """Leave the serving loop from the main thread (once)."""
+        """SIGTERM or Ctrl-C: leave the serving loop from the main thread (once)."""
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
-        raise SystemExit(0)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        server.leave()
 
     signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, stop)
     try:
         server.start()
     except (KeyboardInterrupt, SystemExit):
@@ -118,8 +147,9 @@ def _stop_within(server, seconds):
     """server.stop(), waiting at most `seconds`.
 
     cheroot's stop joins, without a timeout, a request thread that missed its
-    shutdown request (seen once in about 40 stops), and the process would
-    never exit; the workers are gone by now, so leaving loses nothing.
+    shutdown request (DeferredServer.leave keeps the one cause found from
+    happening), and the process would never exit; the workers are gone by
+    now, so leaving loses nothing.
     """
     stopper = threading.Thread(target=server.stop, daemon=True)
     stopper.start()
