@@ -434,3 +434,30 @@ def test_socket_folder_of_a_killed_server_is_removed_by_the_next(make_server, tm
     (own,) = _socket_dirs(other.proc.pid)
     other.stop()
     assert not os.path.exists(own)
+
+
+def test_a_stop_signal_during_a_connections_hand_over_leaves_once_it_is_queued():
+    """A stop signal's SystemExit never lands inside the queue that hands a connection
+    to cheroot's threads (it could lose the wakeup of a thread's stop request, and the
+    stop then waited 10 s): one that comes meanwhile leaves once the connection is
+    queued; one that comes at any other time leaves at once."""
+    from api.routes import app
+    from api.server import DeferredServer
+
+    server = DeferredServer(("127.0.0.1", 0), app)
+    queued = []
+
+    class Requests:
+        """cheroot's queue of connections for its threads, where the signal lands."""
+
+        def put(self, conn):
+            server.leave()  # the signal handler, run in the middle of the put
+            queued.append(conn)
+
+    server.requests = Requests()
+    conn = type("Conn", (), {"snapk_waited": True})()  # had its bytes to read
+    with pytest.raises(SystemExit):
+        server.process_conn(conn)
+    assert queued == [conn]
+    with pytest.raises(SystemExit):
+        server.leave()
