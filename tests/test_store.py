@@ -428,29 +428,56 @@ def test_holders_wait_while_a_child_loads_and_not_once_it_is_killed():
     os.close(loads.fd)
 
 
+# Cell code defining _holds(): whether this process holds the zygote's ChildLoads lock
+# (a shared POSIX lock on its memfd, as /proc/locks lists it).
+HOLDS_CHILD_LOADS = (
+    "def _holds():\n"
+    "    import os  # no global: a rebuild's unpickling calls it where none is\n"
+    "    for fd in os.listdir('/proc/self/fd'):\n"
+    "        try:\n"
+    "            if os.readlink(f'/proc/self/fd/{fd}').startswith('/memfd:child-loads'):\n"
+    "                inode = os.fstat(int(fd)).st_ino\n"
+    "        except OSError:\n"
+    "            pass  # the listing's own\n"
+    "    with open('/proc/locks') as f:\n"
+    "        return any(line.split()[3:5] == ['READ', str(os.getpid())] and\n"
+    "                   line.split()[5].endswith(f':{inode}') for line in f)\n")
+
+
 def test_a_cells_child_holds_the_child_loads_lock_while_it_saves(make_server, tmp_path):
     """Holders restoring in the background wait while a cell's child saves, as while it
     loads (its answer waits for the save): the child holds ChildLoads' shared lock in
     its save, and not while the cell runs. A value's pickle records which was so."""
-    probe = ("import os\n"
-             "def _holds():\n"
-             "    for fd in os.listdir('/proc/self/fd'):\n"
-             "        try:\n"
-             "            if os.readlink(f'/proc/self/fd/{fd}').startswith('/memfd:child-loads'):\n"
-             "                inode = os.fstat(int(fd)).st_ino\n"
-             "        except OSError:\n"
-             "            pass  # the listing's own\n"
-             "    with open('/proc/locks') as f:\n"
-             "        return any(line.split()[3:5] == ['READ', str(os.getpid())] and\n"
-             "                   line.split()[5].endswith(f':{inode}') for line in f)\n"
-             "class Probe:\n"
-             "    def __reduce__(self):\n"
-             "        return (bool, (_holds(),))\n")
+    probe = HOLDS_CHILD_LOADS + ("class Probe:\n"
+                                 "    def __reduce__(self):\n"
+                                 "        return (bool, (_holds(),))\n")
     data = tmp_path / "store"
     srv = make_server(data)
     srv.execute(probe + "during_run = _holds()\nduring_save = Probe()", new="S")
     srv.stop()
     assert make_server(data).value("S", "during_run, during_save") == "(False, True)"
+
+
+def test_a_rebuild_and_a_multistate_cell_hold_the_child_loads_lock_while_they_load(server):
+    """The loads of /rebuild_state and of /multistate_execute's aliases hold the lock too,
+    however deeply nested: a value whose unpickling records it says so."""
+    # At load, _holds() runs in the process that unpickles the value.
+    probe = HOLDS_CHILD_LOADS + ("class Probe:\n"
+                                 "    def __reduce__(self):\n"
+                                 "        return (_holds, ())\n")
+    server.execute(probe + "q = [Probe()]\nr = q", new="lk-src")
+    r = server.post("/rebuild_state", {"input_state": "initial", "source_state": "lk-src",
+                                       "source_vars": ["r"],
+                                       "input_vars": [], "new_state_name": "lk-rb"})
+    assert r.status_code == 200, r.text
+    assert server.value("lk-rb", "r") == "[True]"  # the split group {q, r} was loaded
+    r = server.post("/multistate_execute", {
+        "code": "(src.q, _holds())", "exec_id": "lk-ms", "default_state": "lk-src",
+        "state_mapping": {"src": "lk-src"}})
+    assert r.status_code == 200, r.text
+    answer = r.json()
+    assert answer["error"] is None, answer["error"]
+    assert answer["output"][-1]["data"]["text/plain"] == "([True], False)"
 
 
 def test_a_chunk_made_again_with_the_same_bytes_takes_the_key_its_digest_is_known_by():

@@ -294,16 +294,17 @@ class CellChild:
     def multistate(self, msg):
         """Run a cell with other states' variables under aliases; store nothing."""
         state, namespace = self.state, self.state.namespace
-        state.load()
-        for alias, manifest in msg.aliases.items():
-            scope = {"__builtins__": namespace["__builtins__"]}
-            snapshot.check_compatible(manifest)
-            snapshot.load_modules(manifest, scope)
-            for group in manifest["groups"]:
-                snapshot.load_group(state.store(), group, scope, manifest["name"])
-            replay.volatile(manifest, scope, state.settings)
-            scope.pop("__builtins__")
-            namespace[alias] = types.SimpleNamespace(**scope)
+        with state.child_loads.held():  # holders wait while this child loads
+            state.load()
+            for alias, manifest in msg.aliases.items():
+                scope = {"__builtins__": namespace["__builtins__"]}
+                snapshot.check_compatible(manifest)
+                snapshot.load_modules(manifest, scope)
+                for group in manifest["groups"]:
+                    snapshot.load_group(state.store(), group, scope, manifest["name"])
+                replay.volatile(manifest, scope, state.settings)
+                scope.pop("__builtins__")
+                namespace[alias] = types.SimpleNamespace(**scope)
         count = state.manifest["execution_count"] + 1
         cell = execution.compile_cell(msg.code, count)
         if cell.error:
@@ -326,7 +327,13 @@ class CellChild:
 
         Groups wholly wanted are carried by blob key and loaded lazily; a
         group split by the request is loaded and its wanted members re-pickled.
+        Holders wait meanwhile, as while a cell's child loads and saves.
         """
+        with self.state.child_loads.held():
+            return self._rebuild(msg)
+
+    def _rebuild(self, msg):
+        """`rebuild`, under the children's lock."""
         state = self.state
         source = msg.source_manifest
         snapshot.check_compatible(source)

@@ -50,15 +50,21 @@ class ChildLoads:
     def __init__(self):
         """A new file for children to lock."""
         self.fd = os.memfd_create("child-loads", os.MFD_CLOEXEC)
+        self.depth = 0  # held() calls open in this process (a fork inherits none open)
 
     @contextlib.contextmanager
     def held(self):
-        """Hold the lock while loading or saving (in a child)."""
-        fcntl.lockf(self.fd, fcntl.LOCK_SH)  # shared: several children may load at once
+        """Hold the lock while loading or saving (in a child). Nested calls hold it until
+        the outermost ends: one POSIX unlock would release it whole."""
+        if self.depth == 0:
+            fcntl.lockf(self.fd, fcntl.LOCK_SH)  # shared: several children may load at once
+        self.depth += 1
         try:
             yield
         finally:
-            fcntl.lockf(self.fd, fcntl.LOCK_UN)
+            self.depth -= 1
+            if self.depth == 0:
+                fcntl.lockf(self.fd, fcntl.LOCK_UN)
 
     def now(self):
         """True while a child holds the lock (asked by a holder)."""
