@@ -480,6 +480,50 @@ def test_a_rebuild_and_a_multistate_cell_hold_the_child_loads_lock_while_they_lo
     assert answer["output"][-1]["data"]["text/plain"] == "([True], False)"
 
 
+def test_a_holder_loads_nothing_in_the_background_while_its_child_serves_a_request(
+        make_server, tmp_path):
+    """The holder of a restored state loads its values between messages, but not while
+    one of its children runs a cell (the answer a client waits for), whatever that
+    cell reads: it would compete with the cell for the same cores.
+
+    Two values whose unpickling waits for a file the cell makes, then notes itself: a
+    holder loading them as the cell runs has loaded both within the cell's wait.
+    """
+    gates = tmp_path / "gates"
+    gates.mkdir()
+    gate = ("def _gate(i, folder):\n"
+            "    import os, time  # no global: a holder's unpickling calls it\n"
+            "    deadline = time.monotonic() + 60\n"
+            "    while not os.path.exists(f'{folder}/go') and time.monotonic() < deadline:\n"
+            "        time.sleep(0.01)\n"
+            "    open(f'{folder}/loaded-{i}', 'w').close()\n"
+            "    return i\n"
+            "class Gate:\n"
+            "    def __init__(self, i):\n"
+            "        self.i = i\n"
+            "    def __reduce__(self):\n"
+            f"        return (_gate, (self.i, {str(gates)!r}))\n")
+    data = tmp_path / "store"
+    srv = make_server(data)
+    srv.execute(gate + "g1, g2, x = Gate(1), Gate(2), 3", new="S")
+    srv.stop()
+    again = make_server(data)
+    # Waits up to 3 s for both to be loaded: a holder not held back loads them in ms.
+    answer = again.execute(
+        "import os as _os, time as _time\n"
+        f"_folder = {str(gates)!r}\n"
+        "open(f'{_folder}/go', 'w').close()\n"
+        "_deadline = _time.monotonic() + 3\n"
+        "while _time.monotonic() < _deadline and len(_os.listdir(_folder)) < 3:\n"
+        "    _time.sleep(0.01)\n"
+        "(x, sorted(_os.listdir(_folder)))", state="S", new="T")
+    loaded = answer["output"][-1]["data"]["text/plain"]
+    assert loaded in ("(3, ['go'])", "(3, ['go', 'loaded-1'])", "(3, ['go', 'loaded-2'])"), \
+        loaded
+    # Once the cell is over, the holder loads them (a cell reading them finds them).
+    assert again.value("S", "g1, g2") == "(1, 2)"
+
+
 def test_a_chunk_made_again_with_the_same_bytes_takes_the_key_its_digest_is_known_by():
     """A value made again (`train = df[mask]` in a re-run cell) is a new array with old
     bytes: each chunk whose XXH3-128 matches a chunk this process stored takes that

@@ -52,7 +52,8 @@ class CellChild:
             trace.stamp("received", msg.exec_id)
             made = None
             try:
-                made, result = handlers[type(msg)](msg)
+                with self.state.cells_running.held():  # its holder does not load meanwhile
+                    made, result = handlers[type(msg)](msg)
             except ChannelClosed:
                 os._exit(0)
             except Exception as exc:
@@ -67,6 +68,7 @@ class CellChild:
                 if made is None:
                     os._exit(0)
                 self.state.manifest = made
+                self.state.cells_running.renew()
                 if not holder:
                     msg = self.channel.recv()  # no holder: this process is the state's
                     continue

@@ -47,9 +47,10 @@ class ChildLoads:
     holds a holder back.
     """
 
-    def __init__(self):
-        """A new file for children to lock."""
-        self.fd = os.memfd_create("child-loads", os.MFD_CLOEXEC)
+    def __init__(self, name="child-loads"):
+        """A new file for children to lock (`name`: its name in /proc/PID/fd)."""
+        self.name = name
+        self.fd = os.memfd_create(name, os.MFD_CLOEXEC)
         self.depth = 0  # held() calls open in this process (a fork inherits none open)
 
     @contextlib.contextmanager
@@ -65,6 +66,12 @@ class ChildLoads:
             self.depth -= 1
             if self.depth == 0:
                 fcntl.lockf(self.fd, fcntl.LOCK_UN)
+
+    def renew(self):
+        """Lock another file from now on (in a child that made a state: its own children
+        and those of the holder it forks are that state's, not its parent's)."""
+        os.close(self.fd)
+        self.fd = os.memfd_create(self.name, os.MFD_CLOEXEC)
 
     def now(self):
         """True while a child holds the lock (asked by a holder)."""
@@ -93,6 +100,10 @@ class StateHolder(WorkerProcess):
         self.load_in_background = True
         self.forks_deferred = 0  # replacement spares to fork once the state is loaded
         self.child_loads = child_loads
+        # Locked by this holder's children while they serve a request: the cell a client
+        # waits for is run from this state, and its holder's background load would only
+        # compete with it (a 1 GB frame's restore, on the cores the cell runs on).
+        self.cells_running = ChildLoads("cells-running")
         self.holder_pid = None  # the process serving the state (see serve)
         # The process context as of this state ({provider: (blob key, value)}, see
         # kernel/worker/context.py), and what a restore could not apply as it was.
@@ -181,10 +192,15 @@ class StateHolder(WorkerProcess):
             self.channel.send(protocol.Log(traceback.format_exc()))
             self.fork_deferred()
 
+    def children_busy(self):
+        """Whether a background load should wait: while any cell's child loads or saves,
+        or one of this holder's children serves a request."""
+        return self.child_loads.now() or self.cells_running.now()
+
     def yield_to_children(self):
-        """Wait while a cell's child loads or saves (between the chunks of a background
-        load, which may have begun before that child did)."""
-        while self.child_loads.now():
+        """Wait while children are busy (between the chunks of a background load, which
+        may have begun before that child did)."""
+        while self.children_busy():
             time.sleep(CHILD_LOAD_POLL_S)
 
     def fork_deferred(self):
@@ -231,7 +247,7 @@ class StateHolder(WorkerProcess):
             busy = self.load_in_background and self.unloaded_names()
             timeout = None
             if busy:
-                timeout = CHILD_LOAD_POLL_S if self.child_loads.now() else 0
+                timeout = CHILD_LOAD_POLL_S if self.children_busy() else 0
             ready, _, _ = select.select([self.channel, wake], [], [], timeout)
             if wake in ready:
                 self.reap(wake)
