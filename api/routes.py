@@ -61,13 +61,14 @@ class Service:
         """Serve with `settings` (the command line's) rather than the app's config."""
         self._settings = settings
 
-    def start(self, holder):
+    def start(self, holder, pool=None):
         """Claim the store (`holder` says who holds it, to whoever is refused it) and
-        open the registry; StoreError if another process holds the store."""
+        open the registry (on `pool`, if started already: see Registry); StoreError if
+        another process holds the store."""
         with self.lock:
             if self._registry is None:
                 self.store_lock = claim_store(self.settings["server.data_dir"], holder)
-                self._registry = Registry(self.settings)
+                self._registry = Registry(self.settings, pool=pool)
                 atexit.register(self.close)
             return self._registry
 

@@ -6,7 +6,6 @@ a new connection costs no thread until it sends something
 than in cheroot's single accept loop (`DeferredTls`).
 """
 
-import ipaddress
 import logging
 import os
 import signal
@@ -85,28 +84,20 @@ class DeferredTls(BuiltinSSLAdapter):
         return tls, {"wsgi.url_scheme": "https", "HTTPS": "on"}
 
 
-def is_loopback(host):
-    """True for a loopback bind address."""
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host.strip("[]")).is_loopback
-    except ValueError:
-        return False
-
-
-def serve(host, port, settings, token, no_auth=False):
+def serve(host, port, settings, token, no_auth=False, pool=None):
     """Open the store, then serve the routes on `host`:`port` until SIGTERM or
     Ctrl-C, and stop every worker; exits with a message if the store cannot be
-    used."""
+    used. `pool`: the worker pool, started already (see Registry)."""
     app.config["token"] = token
     app.config["no_auth"] = no_auth and not token
     service.use(settings)
     try:
-        registry = service.start(f"a server starting (pid {os.getpid()})")
-    except StoreHeld as exc:
-        sys.exit(f"error: {exc}; stop it or choose another --data-dir")
+        registry = service.start(f"a server starting (pid {os.getpid()})", pool)
     except StoreError as exc:
+        if pool is not None:
+            pool.close()
+        if isinstance(exc, StoreHeld):
+            sys.exit(f"error: {exc}; stop it or choose another --data-dir")
         sys.exit(f"error: {exc}")
     if registry.damaged:
         damaged = registry.damaged

@@ -118,11 +118,11 @@ BREAKAGES = [
       ["tests/test_races.py::test_cells_finishing_after_a_reset_say_their_state_was_discarded"]),
     # tests/test_security.py -----------------------------------------------------------
     B("no-auth-refused-on-loopback", "--no-auth is refused on a loopback bind too",
-      [("main.py", "    if not args.token and not (args.no_auth and server.is_loopback(host)):\n",
+      [("main.py", "    if not args.token and not (args.no_auth and is_loopback(host)):\n",
         "    if not args.token:\n")],
       ["tests/test_security.py::test_refuses_a_network_bind_without_a_token"]),
     B("no-auth-on-any-bind", "--no-auth is accepted on a network bind",
-      [("main.py", "    if not args.token and not (args.no_auth and server.is_loopback(host)):\n",
+      [("main.py", "    if not args.token and not (args.no_auth and is_loopback(host)):\n",
         "    if not args.token and not args.no_auth:\n")],
       ["tests/test_security.py::test_refuses_a_network_bind_without_a_token"]),
     B("tls-handshake-in-accept-loop", "the TLS handshake runs in cheroot's accept loop",

@@ -164,7 +164,9 @@ class Pool:
                                             daemon=True)
 
     def start(self):
-        """Start accepting workers and spawn the zygote."""
+        """Start accepting workers and spawn the zygote; the server's trace begins (the
+        zygote's hello is stamped)."""
+        trace.configure(self.settings, "server")
         self.connections.start()
         self.owed_thread.start()
         self._spawn_zygote()

@@ -33,11 +33,12 @@ MAX_NAME_BYTES = 511
 class Registry:
     """Named states on a store, executed through forked workers."""
 
-    def __init__(self, settings, env=None, cwd=None):
+    def __init__(self, settings, env=None, cwd=None, pool=None):
         """Open the store, load the manifests, start the worker pool (its zygote in
-        environment `env` and folder `cwd`: see Pool)."""
+        environment `env` and folder `cwd`: see Pool), or take `pool`, started
+        already: the server starts its zygote first, so that it starts while the
+        server imports its routes and opens the store."""
         self.settings = settings
-        trace.configure(settings, "server")
         self.store = open_store(settings)
         # With store.remote: the names other servers bind, and this one's queued uploads.
         self.shared = RemoteNames(self.store, settings) if settings["store.remote"] else None
@@ -52,9 +53,10 @@ class Registry:
         self._ensure_initial()
         self.generation = 0  # bumped by reset: results of runs started before it are void
         self.closed = False
-        self.pool = Pool(settings, env, cwd)
+        self.pool = pool or Pool(settings, env, cwd)
         self.cell_runs = CellRuns(settings, self.pool)
-        self.pool.start()
+        if pool is None:
+            self.pool.start()
 
     def _ensure_initial(self):
         """Create the empty `initial` state if the store lacks it."""
