@@ -90,7 +90,7 @@ def test_worker_state_restored_and_no_threads_left(server):
     # output capture included: the state to compare with is the idle one after that.
     def idle():
         """The process's state once it is idle (one thread, no capture memfd; the
-        zygote's child-loads memfd stays, kernel/worker/holder.py ChildLoads)."""
+        zygote's child-loads memfd stays, kernel/worker/holder.py ChildLock)."""
         state = _process_state(pid)
         return state if state["threads"] == 1 and "memfd:cell-fd" not in str(state) else None
 

@@ -176,7 +176,7 @@ def test_requests_waiting_for_a_spare_of_an_evicted_state_are_served(make_server
     answers = {"first": in_thread(value, "first")}
     # The child running `first` unpickles `slow`, and so does the restored holder when its
     # background load began before that child's (holders load only while no child does:
-    # ChildLoads, kernel/worker/holder.py). Only in that order does the holder fork no
+    # ChildLock, kernel/worker/holder.py). Only in that order does the holder fork no
     # more spares, and `second` or `third` wait for one; either order must serve all three.
     wait_for(lambda: list(inside.iterdir()), "a process to load `slow`")
     answers.update({key: in_thread(value, key) for key in keys[1:]})

@@ -406,10 +406,10 @@ def test_a_frame_read_after_a_restart_is_restored_whole_and_saved_again_for_noth
 
 
 def test_holders_wait_while_a_child_loads_and_not_once_it_is_killed():
-    """A cell's child that loads values holds the zygote's ChildLoads lock (holders do not
-    load meanwhile); a child killed while loading lets them go on."""
-    from kernel.worker.holder import ChildLoads
-    loads = ChildLoads()
+    """A cell's child that loads values holds the zygote's `child-loads` ChildLock
+    (holders do not load meanwhile); a child killed while loading lets them go on."""
+    from kernel.worker.holder import ChildLock
+    loads = ChildLock("child-loads")
     assert not loads.now()
     ready, tell = os.pipe()
     pid = os.fork()
@@ -428,7 +428,7 @@ def test_holders_wait_while_a_child_loads_and_not_once_it_is_killed():
     os.close(loads.fd)
 
 
-# Cell code defining _holds(): whether this process holds the zygote's ChildLoads lock
+# Cell code defining _holds(): whether this process holds the zygote's `child-loads` lock
 # (a shared POSIX lock on its memfd, as /proc/locks lists it).
 HOLDS_CHILD_LOADS = (
     "def _holds():\n"
@@ -446,8 +446,9 @@ HOLDS_CHILD_LOADS = (
 
 def test_a_cells_child_holds_the_child_loads_lock_while_it_saves(make_server, tmp_path):
     """Holders restoring in the background wait while a cell's child saves, as while it
-    loads (its answer waits for the save): the child holds ChildLoads' shared lock in
-    its save, and not while the cell runs. A value's pickle records which was so."""
+    loads (its answer waits for the save): the child holds the zygote's `child-loads`
+    ChildLock in its save, and not while the cell runs. A value's pickle records which
+    was so."""
     probe = HOLDS_CHILD_LOADS + ("class Probe:\n"
                                  "    def __reduce__(self):\n"
                                  "        return (bool, (_holds(),))\n")

@@ -26,25 +26,27 @@ from storage.store import StoreCorrupt, encode_manifest
 
 # A spare child warms up only after this long without a request (see StateHolder.warm).
 WARM_AFTER_S = 0.05
-# How often a holder that waits for children's loads to end looks again (see ChildLoads).
+# How often a holder that waits for busy children looks again (see ChildLock).
 CHILD_LOAD_POLL_S = 0.05
 
 
-class ChildLoads:
-    """Tells holders whether a cell's child is loading values from the store.
+class ChildLock:
+    """Tells holders whether children are busy: a POSIX lock that children hold
+    (shared) and holders test.
 
-    A child forked before its holder had loaded the state loads what its
-    cell needs itself (a cell after a restart). Holders, meanwhile, load
-    their states in the background: on a 1 GB frame after a restart, the
+    Holders load their states in the background, between messages; a child
+    forked before its holder had loaded the state loads what its cell needs
+    itself (a cell after a restart). On a 1 GB frame after a restart, the
     child and its holder restored it at once, on the same cores and memory
     (2 here), and the cell waited for both; from a second state sharing the
     frame's blobs, the first state's holder did the same to that state's
-    child (issue 27). So holders load in the background only while no child
-    loads, nor saves (its answer waits for the save). One is made in the
-    zygote, before any fork, and shared by all its holders and their
-    children: a child holds a POSIX lock on its file while it loads or saves.
-    Such a lock goes with its process, so a child killed meanwhile never
-    holds a holder back.
+    child (issue 27). So a holder loads in the background only while no
+    child holds either of two such locks: the zygote's `child-loads`, made
+    before any fork and shared by all holders, which every cell's child
+    holds while it loads or saves (its answer waits for the save); and the
+    holder's own `cells-running`, which its children hold while they serve
+    a request (StateHolder.cells_running). Such a lock goes with its
+    process, so a child killed meanwhile never holds a holder back.
     """
 
     def __init__(self, name="child-loads"):
@@ -88,7 +90,7 @@ class StateHolder(WorkerProcess):
 
     def __init__(self, sock_path, settings, namespace, manifest, child_loads):
         """Hold `manifest`'s state, its groups not yet loaded; `child_loads`: the zygote's
-        ChildLoads."""
+        `child-loads` ChildLock."""
         super().__init__(sock_path, settings)
         self.namespace = namespace
         self.manifest = manifest
@@ -103,7 +105,7 @@ class StateHolder(WorkerProcess):
         # Locked by this holder's children while they serve a request: the cell a client
         # waits for is run from this state, and its holder's background load would only
         # compete with it (a 1 GB frame's restore, on the cores the cell runs on).
-        self.cells_running = ChildLoads("cells-running")
+        self.cells_running = ChildLock("cells-running")
         self.holder_pid = None  # the process serving the state (see serve)
         # The process context as of this state ({provider: (blob key, value)}, see
         # kernel/worker/context.py), and what a restore could not apply as it was.
@@ -238,7 +240,7 @@ class StateHolder(WorkerProcess):
         """Idle loop: fork children on request, load unloaded groups meanwhile.
 
         `spares` children are forked first, so that a cell finds one ready.
-        While a cell's child loads values or saves, none are loaded here (ChildLoads).
+        While children are busy, none are loaded here (ChildLock).
         """
         self.holder_pid = os.getpid()
         for _ in range(spares):

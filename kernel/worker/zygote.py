@@ -34,7 +34,7 @@ def zygote_main(sock_path, settings):
     limits.init_zygote()
     from kernel.worker import execution, holder  # every holder runs cells: imported once, here
     execution.capture.watch_imports()
-    child_loads = holder.ChildLoads()  # shared by every holder of both zygotes
+    child_loads = holder.ChildLock("child-loads")  # shared by every holder of both zygotes
     warm = settings["workers.warm_zygote"] and os.fork() == 0
     if warm:
         # Neither attribute survives a fork; the warm zygote dies with the cold one.
