@@ -49,7 +49,7 @@ class ChildLock:
     process, so a child killed meanwhile never holds a holder back.
     """
 
-    def __init__(self, name="child-loads"):
+    def __init__(self, name):
         """A new file for children to lock (`name`: its name in /proc/PID/fd)."""
         self.name = name
         self.fd = os.memfd_create(name, os.MFD_CLOEXEC)
@@ -57,8 +57,8 @@ class ChildLock:
 
     @contextlib.contextmanager
     def held(self):
-        """Hold the lock while loading or saving (in a child). Nested calls hold it until
-        the outermost ends: one POSIX unlock would release it whole."""
+        """Hold the lock (in a child, while it is busy). Nested calls hold it until the
+        outermost ends: one POSIX unlock would release it whole."""
         if self.depth == 0:
             fcntl.lockf(self.fd, fcntl.LOCK_SH)  # shared: several children may load at once
         self.depth += 1
