@@ -39,6 +39,7 @@ Bookkeeping lives in the LMDB database `remote`, beside `blobs` and `states`:
 """
 
 import concurrent.futures
+import functools
 import hashlib
 import os
 import struct
@@ -46,7 +47,7 @@ import threading
 import time
 
 from storage.remote import RemoteStore
-from storage.store import Store, StoreCorrupt, decode_record, encode_manifest
+from storage.store import BlobMissing, Store, StoreCorrupt, decode_record, encode_manifest
 
 # The empty starting state: every server makes its own, so it is never shared.
 UNSHARED = frozenset({"initial"})
@@ -98,27 +99,40 @@ class CachedStore(Store):
         """
         if key in self._pending:
             return _verified(self._pending[key], key, "the state being saved")
-        for _ in range(2):  # a second time if it was evicted at once (a tiny cache)
-            if not self.missing([key]):
-                return super().blob(key)  # StoreCorrupt if damaged here
-            listing, at = self._chunk_of.get(key, ([key], 0))
-            self.fetch(listing[at:at + 2 * self.parallel])
-        return super().blob(key)
+        return self._read_through(key, super().blob,
+                                  lambda record: _verified(record, key, self.remote.url))
 
     def read_into(self, key, target):
         """Blob `key` into `target` (see Store.read_into): from the cache, else fetched
-        from the remote first, with the chunks after it (see blob). A restore reads
-        on several threads; one of them fetches at a time."""
+        from the remote first, with the chunks after it (see blob)."""
         if key in self._pending:
             target[:] = self.blob(key)
             return
-        with self._fetching:
-            for _ in range(2):  # a second time if it was evicted at once (a tiny cache)
-                if not self.missing([key]):
-                    break
-                listing, at = self._chunk_of.get(key, ([key], 0))
-                self.fetch(listing[at:at + 2 * self.parallel])
-        super().read_into(key, target)
+
+        def use(record):
+            target[:] = _verified(record, key, self.remote.url)
+        self._read_through(key, functools.partial(super().read_into, target=target), use)
+
+    def _read_through(self, key, read, use):
+        """read(key) from the cache; if the cache lacks the blob, use(its record) as
+        fetched from the remote.
+
+        The record fetched is used as it is, not read back from the cache:
+        another process of this server may evict it from a small cache in
+        between. A restore reads on several threads; one of them fetches at a
+        time, and the others mostly find their chunks fetched in its window.
+        """
+        for _ in range(3):  # cached by another process, and evicted before it was read
+            try:
+                return read(key)
+            except BlobMissing:
+                pass
+            listing, at = self._chunk_of.get(key, ([key], 0))
+            with self._fetching:
+                record = self.fetch(listing[at:at + 2 * self.parallel]).get(key)
+            if record is not None:
+                return use(record)
+        return use(self._download(key)[1])
 
     def chunk_list(self, key):
         """The chunk keys of a chunk list, remembered for reading ahead (see blob)."""
@@ -137,22 +151,28 @@ class CachedStore(Store):
         whose cell needs the same value): each claims the blobs it fetches,
         a window at a time, and waits for the blobs another live process
         claimed instead of downloading them again.
+
+        Returns {key: record} of the blobs this process downloaded.
         """
         todo = [k for k in dict.fromkeys(keys) if k not in self._pending]
         window = 2 * self.parallel
+        downloaded = {}
         for start in range(0, len(todo), window):
             mine, theirs = self._claim(todo[start:start + window])
-            self._fetch_claimed(mine)
-            self._await(theirs)
+            downloaded.update(self._fetch_claimed(mine))
+            downloaded.update(self._await(theirs))
         self._evict()
+        return downloaded
 
     def _fetch_claimed(self, keys):
-        """Download and cache blobs this process claimed; the claims go either way."""
+        """Download and cache blobs this process claimed, {key: record}; the claims go
+        either way."""
         fetched = []
         try:
             fetched.extend(self.each(self._download, keys))
         finally:
             self._cache(fetched, keys)
+        return {key: record for key, record, _ in fetched}
 
     def _claim(self, keys):
         """(keys this process now fetches, keys another live process is fetching)."""
@@ -174,14 +194,17 @@ class CachedStore(Store):
         return mine, theirs
 
     def _await(self, keys):
-        """Wait for blobs other processes claimed; fetch those whose claim lapsed."""
+        """Wait for blobs other processes claimed; fetch those whose claim lapsed
+        ({key: record} of those)."""
+        downloaded = {}
         while keys:
             time.sleep(0.01)
             missing = self.missing(keys)
             if missing:
                 mine, missing = self._claim(missing)
-                self._fetch_claimed(mine)
+                downloaded.update(self._fetch_claimed(mine))
             keys = missing
+        return downloaded
 
     def _download(self, key):
         """(key, record, LastModified) of a blob from the remote, verified."""

@@ -39,6 +39,7 @@ _READABLE_FORMATS = (b"1", b"2")
 # digest; raw without checksum (format 1).
 _ZSTD, _RAW_XXH, _RAW = b"Z", b"H", b"R"
 _XXH_BYTES = 8
+_MISSING = "missing from the store"
 # A payload this large is first compressed in three samples of _SAMPLE bytes: one that
 # will not shrink (random floats, already compressed data) is stored as it is without
 # compressing all of it (zstd gains ~6% on random float64 at 300 MB/s).
@@ -94,6 +95,11 @@ class StoreFull(StoreError):
 
 class StoreCorrupt(StoreError):
     """Stored bytes failed verification (or are missing): the data on disk was damaged."""
+
+
+class BlobMissing(StoreCorrupt):
+    """A blob is not in the store. Damage for a store of its own; for the cache of a
+    remote (storage/cache.py), a blob to fetch."""
 
 
 class Store:
@@ -335,7 +341,8 @@ class Store:
         """
         problem, data = self.read_blob(key)
         if problem:
-            raise StoreCorrupt(f"blob {key} in the store at {self.path} is {problem}")
+            kind = BlobMissing if problem == _MISSING else StoreCorrupt
+            raise kind(f"blob {key} in the store at {self.path} is {problem}")
         return data
 
     def read_blob(self, key):
@@ -343,7 +350,7 @@ class Store:
         with self.env.begin(db=self.blobs, buffers=True) as txn:
             raw = txn.get(bytes.fromhex(key))
             if raw is None:
-                return "missing from the store", None
+                return _MISSING, None
             return _decode(bytes(raw[:1]), raw[1:], key)
 
     def prefetch(self, keys):
@@ -368,13 +375,13 @@ class Store:
         """Verify blob `key` and write its payload into `target` (a writable memoryview
         of exactly its size), without a copy in between where the record allows.
 
-        Raises StoreCorrupt when the blob is missing, damaged or not that size.
+        Raises StoreCorrupt when the blob is missing (BlobMissing), damaged or not
+        that size.
         """
         with self.env.begin(db=self.blobs, buffers=True) as txn:
             raw = txn.get(bytes.fromhex(key))
             if raw is None:
-                raise StoreCorrupt(f"blob {key} in the store at {self.path} is missing "
-                                   f"from the store")
+                raise BlobMissing(f"blob {key} in the store at {self.path} is {_MISSING}")
             problem = _decode_into(bytes(raw[:1]), raw[1:], key, target)
         if problem:
             raise StoreCorrupt(f"blob {key} in the store at {self.path} is {problem}")

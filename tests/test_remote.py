@@ -309,6 +309,22 @@ def test_the_cache_stays_within_cache_gb(s3, make_server, tmp_path):
         assert a.value(f"s{i}", f"int(v{i}.sum())") == sums[i]
 
 
+def test_a_cache_smaller_than_one_chunk_still_restores(s3, make_server, tmp_path):
+    """Each chunk fetched is evicted at once from a cache smaller than it (as another
+    process's eviction may drop it before it is read): the restore uses the chunk it
+    fetched and does not read it back from the cache."""
+    bucket = s3.bucket()
+    data = tmp_path / "tiny-cache"
+    config = s3.config(bucket, extra="cache_gb = 0.0005\n")  # 512 KiB, under a 1 MiB chunk
+    a = make_server(data, config=config)
+    a.execute("import numpy as np\nv = np.frombuffer(np.random.default_rng(7)"
+              ".bytes(4_000_000), dtype=np.uint8).copy()", new="s")
+    total = a.value("s", "int(v.sum())")
+    a.stop()
+    a = make_server(data, config=config)
+    assert a.value("s", "int(v.sum())") == total
+
+
 def test_without_boto3_the_server_says_how_to_install_it(s3, tmp_path):
     """store.remote set but boto3 missing: the server refuses to start, naming the extra."""
     config = tmp_path / "remote.toml"
