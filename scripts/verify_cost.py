@@ -46,7 +46,8 @@ def as_format_1(store, keys):
         for key in keys:
             record = txn.get(bytes.fromhex(key))
             payload = store.blob(key)
-            old = b"Z" + plain.compress(payload) if record[:1] == b"Z" else b"R" + payload
+            # Format 1 compressed whatever is compressed now, shuffled or not.
+            old = b"Z" + plain.compress(payload) if record[:1] in b"ZS" else b"R" + payload
             txn.put(bytes.fromhex(key), old)
 
 

@@ -29,20 +29,23 @@ import lmdb
 import xxhash
 import zstandard
 
-from storage import lmdbfile, pages, threads
+from storage import lmdbfile, pages, shuffle, threads
 
 # Format 2 added blob checksums; format 1 stores are read and upgraded in place
 # (their blobs stay as they are, verified by their keys).
-FORMAT_VERSION = 2
-_READABLE_FORMATS = (b"1", b"2")
-# Record flags: zstd frame (with a checksum since format 2); raw after an XXH3-64
-# digest; raw without checksum (format 1).
-_ZSTD, _RAW_XXH, _RAW = b"Z", b"H", b"R"
+FORMAT_VERSION = 3
+_READABLE_FORMATS = (b"1", b"2", b"3")
+# Record flags: zstd frame (with a checksum since format 2); the same of the payload
+# byte-shuffled (storage/shuffle.py; format 3); raw after an XXH3-64 digest; raw
+# without checksum (format 1).
+_ZSTD, _ZSTD_SHUFFLED, _RAW_XXH, _RAW = b"Z", b"S", b"H", b"R"
 _XXH_BYTES = 8
 _MISSING = "missing from the store"
 # A payload this large is first compressed in three samples of _SAMPLE bytes: one that
 # will not shrink (random floats, already compressed data) is stored as it is without
-# compressing all of it (zstd gains ~6% on random float64 at 300 MB/s).
+# compressing all of it (zstd gains ~6% on random float64 at 300 MB/s). One that does
+# is stored shuffled if its samples shuffled compress smaller: then the whole is smaller
+# and decompresses faster (numbers of 8 or 4 bytes: 1.2 to 3 times as fast).
 _SAMPLE_FROM = 2 ** 16
 _SAMPLE = 2 ** 13
 # Blobs encoded ahead of the one being written (a few MiB of memory, used again and again).
@@ -322,16 +325,20 @@ class Store:
         """
         data = memoryview(data).cast("B")
         size = data.nbytes
+        compress = self._compressor().compress
+        pays, flag = True, _ZSTD
         if size >= _SAMPLE_FROM:
-            sample = b"".join(data[at:at + _SAMPLE]
-                              for at in (0, size // 2 - _SAMPLE // 2, size - _SAMPLE))
-            pays = len(self._compressor().compress(sample)) < self.keep_ratio * len(sample)
-        else:
-            pays = True
+            # Whole elements of 8 bytes in each sample, for the shuffled one.
+            spots = (0, (size // 2 - _SAMPLE // 2) // 8 * 8, (size - _SAMPLE) // 8 * 8)
+            sample = b"".join(data[at:at + _SAMPLE] for at in spots)
+            packed = len(compress(sample))
+            pays = packed < self.keep_ratio * len(sample)
+            if pays and len(compress(shuffle.shuffled(sample))) < packed:
+                flag = _ZSTD_SHUFFLED
         if pays:
-            packed = self._compressor().compress(data)
+            packed = compress(shuffle.shuffled(data) if flag == _ZSTD_SHUFFLED else data)
             if len(packed) < self.keep_ratio * size:
-                return b"".join((_ZSTD, packed))
+                return b"".join((flag, packed))
         return b"".join((_RAW_XXH, xxhash.xxh3_64_digest(data), data))
 
     def blob(self, key):
@@ -526,13 +533,16 @@ def _decode(flag, body, key):
         if xxhash.xxh3_64_digest(data) != bytes(body[:_XXH_BYTES]):
             return "corrupt: its bytes do not match their XXH3 checksum", None
         return None, data
-    if flag == _ZSTD:
+    if flag in (_ZSTD, _ZSTD_SHUFFLED):
         try:
             checked = zstandard.get_frame_parameters(body).has_checksum
             data = bytearray(zstandard.ZstdDecompressor().decompress(
                 body, max_output_size=2 ** 40))
         except zstandard.ZstdError as exc:
             return f"corrupt: zstd cannot decompress it ({exc})", None
+        if flag == _ZSTD_SHUFFLED:
+            shuffled, data = data, bytearray(len(data))
+            shuffle.unshuffle_into(shuffled, data)
         if checked:
             return None, data
     elif flag == _RAW:
@@ -559,22 +569,17 @@ def _decode_into(flag, body, key, target):
         if xxhash.xxh3_64_digest(target) != bytes(body[:_XXH_BYTES]):
             return "corrupt: its bytes do not match their XXH3 checksum"
         return None
-    if flag == _ZSTD:
+    if flag in (_ZSTD, _ZSTD_SHUFFLED):
         try:
             params = zstandard.get_frame_parameters(body)
             if params.has_checksum and params.content_size == size:
-                # Straight into place: the stream reader checks the frame's checksum
-                # once it has read the frame's end, which the read past it makes sure of.
-                with zstandard.ZstdDecompressor().stream_reader(body) as reader:
-                    done = 0
-                    while done < size:
-                        got = reader.readinto(target[done:])
-                        if not got:
-                            break
-                        done += got
-                    if done != size or reader.read(1):
-                        return "corrupt: zstd gave another size than its frame says"
-                return None
+                if flag == _ZSTD:
+                    return _unzstd_into(body, target)
+                scratch = _scratch(size)  # shuffled, then unshuffled into place
+                problem = _unzstd_into(body, scratch)
+                if problem is None:
+                    shuffle.unshuffle_into(scratch, target)
+                return problem
         except zstandard.ZstdError as exc:
             return f"corrupt: zstd cannot decompress it ({exc})"
     problem, data = _decode(flag, body, key)
@@ -583,6 +588,38 @@ def _decode_into(flag, body, key, target):
             return f"corrupt: {len(data)} bytes where {size} were expected"
         target[:] = data
     return problem
+
+
+def _unzstd_into(body, target):
+    """Decompress the zstd frame `body` (with a checksum and the size of `target`)
+    straight into `target`; the problem with it, or None.
+
+    The stream reader checks the frame's checksum once it has read the frame's
+    end, which the read past it makes sure of.
+    """
+    size = target.nbytes
+    with zstandard.ZstdDecompressor().stream_reader(body) as reader:
+        done = 0
+        while done < size:
+            got = reader.readinto(target[done:])
+            if not got:
+                break
+            done += got
+        if done != size or reader.read(1):
+            return "corrupt: zstd gave another size than its frame says"
+    return None
+
+
+_scratches = threading.local()
+
+
+def _scratch(size):
+    """A buffer of `size` bytes of this thread's, used again for the next record (new
+    memory for each 1 MiB chunk would cost its page faults every time)."""
+    buffer = getattr(_scratches, "buffer", None)
+    if buffer is None or len(buffer) < size:
+        buffer = _scratches.buffer = bytearray(size)
+    return memoryview(buffer)[:size]
 
 
 def decode_record(record, key):

@@ -19,14 +19,16 @@ from conftest import ROOT, run_script
 from storage import lmdbfile
 from storage.store import Store
 
-# A 2.4 MB array of floats that shrink (halves of small integers: stored
-# zstd-compressed, in 1 MiB chunks) and one of random 64-bit integers
-# (incompressible: stored raw, as random floats are).
+# 2.4 MB arrays in 1 MiB chunks: random digits as bytes (stored zstd-compressed),
+# floats that shrink (halves of small integers: stored byte-shuffled, then
+# compressed) and random 64-bit integers (incompressible: stored raw, as random
+# floats are).
 VALUES = {
-    "compressed": "np.random.default_rng(1).integers(0, 1000, 300_000) * 0.5",
+    "compressed": "np.random.default_rng(1).integers(48, 58, 2_400_000, dtype=np.uint8)",
+    "shuffled": "np.random.default_rng(1).integers(0, 1000, 300_000) * 0.5",
     "raw": "np.random.default_rng(2).integers(0, 2**62, 300_000)",
 }
-FLAGS = {"compressed": b"Z", "raw": b"H"}
+FLAGS = {"compressed": b"Z", "shuffled": b"S", "raw": b"H"}
 
 
 def chunk_record(data_dir, state, variable):
@@ -61,7 +63,7 @@ def flip_bytes(data_dir, record, count=16):
             at = content.find(probe, at + 1)
 
 
-@pytest.mark.parametrize("kind", ["compressed", "raw"])
+@pytest.mark.parametrize("kind", ["compressed", "shuffled", "raw"])
 def test_damaged_blob_is_store_corrupt_and_the_rest_loads(make_server, tmp_path, kind):
     data = tmp_path / "store"
     srv = make_server(data)
@@ -158,7 +160,7 @@ def test_format_1_blobs_are_read_and_verified_by_their_keys(make_server, tmp_pat
     with lmdb.open(str(data), max_dbs=4, readonly=True) as env:
         meta = env.open_db(b"meta", create=False)
         with env.begin() as txn:
-            assert txn.get(b"format", db=meta) == b"2"  # upgraded
+            assert txn.get(b"format", db=meta) == b"3"  # upgraded
     for variable in ("z", "r"):
         _, record = chunk_record(data, "old", variable)
         flip_bytes(data, record)
