@@ -9,9 +9,10 @@ are long runs. The string column of bench s's 1 GB frame: its offsets,
 compressed alone, keep 13.7% of their size and decompress at 0.44 to 0.6
 GB/s; shuffled first, 0.6% and about 1.3 GB/s with the unshuffle
 (storage/store.py chooses it per blob, from samples).
-"""
 
-import numpy
+numpy is imported when first needed, as in storage/pages.py: every process
+opens the store, and the zygote must start without it.
+"""
 
 WIDTH = 8
 
@@ -19,6 +20,7 @@ WIDTH = 8
 def shuffled(data):
     """`data`'s bytes shuffled (a numpy array): the first byte of every `WIDTH`-byte
     element, then every second byte, ...; a tail shorter than an element last, as is."""
+    import numpy
     source = numpy.frombuffer(data, dtype=numpy.uint8)
     whole = source.nbytes - source.nbytes % WIDTH
     out = numpy.empty(source.nbytes, dtype=numpy.uint8)
@@ -32,6 +34,7 @@ def shuffled(data):
 
 def unshuffle_into(data, target):
     """target[:] = the bytes that `data` is the shuffle of (equal sizes)."""
+    import numpy
     source = numpy.frombuffer(data, dtype=numpy.uint8)
     out = numpy.frombuffer(target, dtype=numpy.uint8)
     whole = source.nbytes - source.nbytes % WIDTH

@@ -195,8 +195,9 @@ def test_memory_bound_evicts(make_server):
 
 
 def test_first_cells_do_not_wait_for_the_warm_up_and_behave_the_same(make_server):
-    """A new server answers at once from its cold zygote; those cells still get pandas
-    limits, inline figures and IPython.display; then the warm zygote takes over."""
+    """A new server answers at once from its cold zygote (which imports neither numpy
+    nor pandas, so that it starts fast); those cells still get pandas limits, inline
+    figures and IPython.display; then the warm zygote takes over."""
     srv = make_server(extra_args=["--display-max-rows", "6"], wait=False)
     # The warm zygote is stopped until the first cell ran: that cell surely runs cold.
     warm = warm_zygote(srv)
@@ -204,7 +205,8 @@ def test_first_cells_do_not_wait_for_the_warm_up_and_behave_the_same(make_server
     try:
         srv.wait_up()
         first = srv.execute(
-            "import sys\ncold = 'pandas' not in sys.modules\nimport pandas as pd\n"
+            "import sys\ncold = not {'numpy', 'pandas'} & set(sys.modules)\n"
+            "import pandas as pd\n"
             "from IPython.display import clear_output\nprint('gone'); clear_output()\n"
             "import matplotlib.pyplot as plt\nplt.plot([1, 2]); plt.show()\n"
             "print('after')\npd.DataFrame({'c': range(20)})", new="first")
