@@ -31,8 +31,9 @@ import zstandard
 
 from storage import lmdbfile, pages, shuffle, threads
 
-# Format 2 added blob checksums; format 1 stores are read and upgraded in place
-# (their blobs stay as they are, verified by their keys).
+# Format 2 added blob checksums, format 3 byte-shuffled blobs; older stores are read
+# and upgraded in place (their blobs stay as they are; format 1's are verified by their
+# keys).
 FORMAT_VERSION = 3
 _READABLE_FORMATS = (b"1", b"2", b"3")
 # Record flags: zstd frame (with a checksum since format 2); the same of the payload
