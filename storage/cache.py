@@ -46,6 +46,7 @@ import struct
 import threading
 import time
 
+from storage.prefill import Prefill
 from storage.remote import RemoteStore
 from storage.store import BlobMissing, Store, StoreCorrupt, decode_record, encode_manifest
 
@@ -224,14 +225,20 @@ class CachedStore(Store):
         if not claimed:
             return
         size = sum(len(record) for _, record, _ in fetched)
-        with self._writing(size), self.env.begin(write=True) as txn:
-            for key, record, modified in fetched:
-                raw = bytes.fromhex(key)
-                txn.put(raw, record, db=self.blobs)
-                txn.put(b"k" + raw, _time(modified), db=self.book)
-                txn.put(b"c" + struct.pack(">Q", time.time_ns()) + raw, b"", db=self.book)
-            for key in claimed:
-                txn.delete(b"f" + bytes.fromhex(key), db=self.book)
+        ahead = Prefill(self.path)
+        try:
+            with self._writing(size), self.env.begin(write=True) as txn:
+                ahead.began(self.env)
+                for key, record, modified in fetched:
+                    raw = bytes.fromhex(key)
+                    ahead.put(txn, raw, record, db=self.blobs)
+                    ahead.put(txn, b"k" + raw, _time(modified), db=self.book)
+                    ahead.put(txn, b"c" + struct.pack(">Q", time.time_ns()) + raw, b"",
+                              db=self.book)
+                for key in claimed:
+                    txn.delete(b"f" + bytes.fromhex(key), db=self.book)
+        finally:
+            ahead.close()
 
     def each(self, work, items):
         """work(item) for every item, `remote_parallel` at a time; results in order.

@@ -30,6 +30,7 @@ import xxhash
 import zstandard
 
 from storage import lmdbfile, pages, shuffle, threads
+from storage.prefill import Prefill
 
 # Format 2 added blob checksums, format 3 byte-shuffled blobs; older stores are read
 # and upgraded in place (their blobs stay as they are; format 1's are verified by their
@@ -436,20 +437,25 @@ class Store:
         last one the manifest of last() -> (name, manifest)."""
         with self._writing(size):
             txn = self.env.begin(write=True)
+            ahead = Prefill(self.path)
+            ahead.began(self.env)
             try:
                 batch = 0
                 for key, record in records:
-                    txn.put(bytes.fromhex(key), record, db=self.blobs, overwrite=False)
+                    ahead.put(txn, bytes.fromhex(key), record, db=self.blobs, overwrite=False)
                     batch += len(record)
                     if batch >= self.write_batch:
                         txn.commit()
                         txn, batch = self.env.begin(write=True), 0
+                        ahead.began(self.env)
                 name, manifest = last()
-                txn.put(name.encode(), encode_manifest(manifest), db=self.states)
+                ahead.put(txn, name.encode(), encode_manifest(manifest), db=self.states)
                 txn.commit()
             except BaseException:
                 txn.abort()
                 raise
+            finally:
+                ahead.close()
 
     def chunk_list(self, key):
         """The chunk keys (hex) listed by chunk-list blob `key`."""
