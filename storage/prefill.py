@@ -38,13 +38,15 @@ import os
 _DIRTY_MAX = 2 ** 17 - 1
 _LEVELS = 12
 _MARGIN = 1024
-# A transaction that writes less than this makes LMDB's calls small enough (at most
-# 64 runs of pages a call) for the kernel: no zeros for it.
-_FROM = 2 ** 24
+# A transaction that writes less than this is left to LMDB alone: its calls are small
+# (the kernel writes 1 MiB at a time fast enough), and zeros past what it uses would
+# be flushed with it.
+_FROM = 2 ** 22
 _PIECE = 2 ** 20
 _ZEROS = memoryview(bytes(_PIECE))
-# Room for the new pages of the trees (a leaf page a few hundred blobs).
-_TREES = 2 ** 20
+# Room for the new pages of the trees: a transaction of a few hundred blobs copies a
+# few dozen tree pages.
+_TREES = 2 ** 18
 
 
 class Prefill:

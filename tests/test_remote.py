@@ -1,6 +1,7 @@
 """Several servers on one remote store: moto's S3 server on loopback, real servers over HTTP."""
 
 import hashlib
+import os
 import re
 import shutil
 import subprocess
@@ -10,6 +11,9 @@ import numpy as np
 import pytest
 
 from conftest import ROOT, Server, in_thread, wait_for
+from kernel import config
+from storage import lmdbfile
+from storage.cache import CachedStore
 from storage.store import Store, decode_manifest, decode_record, referenced_blobs
 
 BIG_LEN = 500_000  # 4 MB of int64 below 2 ** 40: 4 chunks, each over 256 KiB zstd'ed
@@ -323,6 +327,37 @@ def test_a_cache_smaller_than_one_chunk_still_restores(s3, make_server, tmp_path
     a.stop()
     a = make_server(data, config=config)
     assert a.value("s", "int(v.sum())") == total
+
+
+def test_chunks_fetched_into_an_empty_cache_are_written_over_zeros(s3, make_server,
+                                                                   tmp_path):
+    """38 chunks of 1 MiB fetched into an empty cache, 16 a transaction: each commit
+    writes over zeros laid down first (storage/prefill.py), so the file runs past
+    LMDB's last page; every chunk reads back verified from the cache, which opens
+    and checks clean, and a server on it restores the value."""
+    bucket = s3.bucket()
+    a = make_server(tmp_path / "a", config=s3.config(bucket))
+    a.execute("import numpy as np\nv = np.random.default_rng(8).random(5_000_000)", new="s")
+    total = a.value("s", "float(v.sum())")
+    a.stop()
+    chunks = [k for k, item in s3.objects(bucket, "blobs").items() if item["Size"] > 2 ** 19]
+    assert len(chunks) == 38  # and a shorter last one
+    data = tmp_path / "b"
+    settings_file = tmp_path / "b.toml"
+    settings_file.write_text(s3.config(bucket))
+    settings = config.load(settings_file, {"server.data_dir": str(data)})
+    cache = CachedStore(str(data), settings)
+    try:
+        assert set(cache.fetch(chunks)) == set(chunks)
+        assert os.path.getsize(data / "data.mdb") > \
+            lmdbfile.read_meta(str(data)).needed_bytes()
+        for key in chunks:
+            assert hashlib.sha256(Store.blob(cache, key)).hexdigest() == key
+    finally:
+        cache.close()
+    Store(str(data)).close()  # the data file check
+    b = make_server(data, config=s3.config(bucket))
+    assert b.value("s", "float(v.sum())") == total
 
 
 def test_without_boto3_the_server_says_how_to_install_it(s3, tmp_path):
