@@ -196,7 +196,8 @@ first answer and full load (server start to the holder's `loaded` trace
 stamp: every variable of the state in its memory) and the workers' PSS.
 For 1 GB (`--quick`: 100 MB) it also gives issue 27's rows, each beside
 its floor measured in the same run: the first save against writing and
-`fdatasync`ing as many bytes beside the store; the restore of the state's
+`fdatasync`ing as many bytes beside the store (the faster of a write just
+before the make cell and one right after the save); the restore of the state's
 buffers in a new interpreter against copying the same bytes into new
 memory with their XXH3-64 (turn about, median of 3); and, after another
 restart, the first cell that reads every column (minus its own time, as

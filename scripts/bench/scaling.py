@@ -25,7 +25,8 @@ For the largest state of the run but 4 GB (1 GB; `--quick`: 100 MB), issue
 27's targets, each beside its floor measured in the same run:
 
 - first save against writing the frame's bytes to a new file beside the
-  store and `fdatasync` (right after the save);
+  store and `fdatasync` (the faster of such a write just before the make
+  cell and one right after the save);
 - restore in one process: a new interpreter that opens the store (the
   server still running) loads every group of the state, as a holder does,
   against copying the same bytes into new memory (as the restore
@@ -185,13 +186,20 @@ def measure(peer, path, size, runs, floors=False):
     peer.reset()
     base = peer.must(SETUP, new="s-setup")[1]["state_name"]
     time.sleep(1.0)  # the spare of the new state forked and warm, as for any next cell
+    if floors:
+        # The same write takes 0.8 s or 3.4 s on the VMs measured, by how recently the
+        # memory it gets was used (right after a 1 GB save, mostly the slow way): the
+        # floor is the faster of one just before the make cell and one right after.
+        floor_before = durable_write_seconds(os.path.dirname(peer.data_dir), size)
+        time.sleep(1.0)
     before = peer.store_usage()
     name = f"s-{size}"
     row["make cell"], answer = peer.must(timed_make(size), base, new=name)
     row["make in cell"] = float(answer["output"][-1]["data"]["text/plain"])
     row["first save"] = row["make cell"] - row["make in cell"]
     if floors:
-        row["save floor"] = durable_write_seconds(os.path.dirname(peer.data_dir), size)
+        row["save floor"] = min(floor_before, durable_write_seconds(
+            os.path.dirname(peer.data_dir), size))
     row["store"] = added_bytes(before, peer.store_usage())
     peer.delete(peer.must("x += 1", name)[1]["state_name"])  # warm-up, not counted
     times = []
@@ -285,7 +293,8 @@ def issue_27_rows(table, row):
     label = fmt_size(row["size"])
     floor = row["save floor"]
     table.add("s", f"first save, {label} frame with a string column (floor: {label} written "
-              f"and fdatasync'd beside the store, {fmt_ms(floor)})", {"ours": row["first save"]},
+              f"and fdatasync'd beside the store, the faster of before and after, "
+              f"{fmt_ms(floor)})", {"ours": row["first save"]},
               f"≤ 1.2× floor ({fmt_ms(1.2 * floor)})", row["first save"] <= 1.2 * floor)
     floor = row["restore floor"]
     table.add("s", f"restore of its buffers in one process, median of {RESTORE_ROUNDS} (floor: "
