@@ -8,7 +8,7 @@ error `{"error": {"type", "message"}}`.
 from kernel.errors import (Conflict, InvalidRequest, KernelError, NotebookNotFound,
                            RequestFailed, ServerStopping, StateNotFound)
 from storage.remote import NameConflict, RemoteUnavailable
-from storage.store import StoreCorrupt, StoreError, StoreFull
+from storage.store import NewerFormat, StoreCorrupt, StoreError, StoreFull
 
 
 class BadRequest(Exception):
@@ -33,6 +33,8 @@ _STATUSES = (
     (StoreFull, 507, "StoreFull"),
     # Damaged bytes on disk: the server's data is wrong, not the request.
     (StoreCorrupt, 500, "StoreCorrupt"),
+    # Written by a newer server (a shared remote): this one must be upgraded.
+    (NewerFormat, 500, "NewerFormat"),
     (NameConflict, 409, "NameConflict"),  # rebound on the shared remote meanwhile
     (RemoteUnavailable, 503, "RemoteUnavailable"),
     (StoreError, 503, "StoreUnavailable"),

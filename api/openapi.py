@@ -387,7 +387,8 @@ def document(version=__version__):
         for status, text in {400: "Bad input", 401: "No or wrong token",
                              404: "Unknown state or notebook", 409: "Conflict",
                              413: "Body larger than max_body_mb",
-                             500: "StoreCorrupt: a stored value needed is damaged on disk",
+                             500: "StoreCorrupt: a stored value needed is damaged on disk "
+                                  "(NewerFormat: written by a newer server)",
                              503: "Store unavailable, or the server is stopping",
                              507: "StoreFull: max_store_gb or the file system is full"}.items()}
     return copy.deepcopy({

@@ -299,6 +299,7 @@ def check_remote(settings):
         return 2
     remote = RemoteStore(settings["store.remote"], settings["store.remote_endpoint"], settings)
     try:
+        remote.check_format()  # a newer server's records are not this one's to judge
         return check(remote)
     except StoreError as exc:
         print(f"check_store.py: error: {exc}", file=sys.stderr)

@@ -430,6 +430,7 @@ def run_remote(args, settings, out):
     if not settings["store.remote"]:
         raise Refused("--remote needs store.remote in the configuration (pass --config FILE)")
     remote = RemoteStore(settings["store.remote"], settings["store.remote_endpoint"], settings)
+    remote.check_format()  # what a newer server's manifests reference is not ours to judge
     grace = args.grace if args.grace is not None else datetime.timedelta(
         hours=settings["store.remote_grace_hours"])
     verb = "would delete" if args.dry_run else "deleted"

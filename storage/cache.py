@@ -48,7 +48,8 @@ import time
 
 from storage.prefill import Prefill
 from storage.remote import RemoteStore
-from storage.store import BlobMissing, Store, StoreCorrupt, decode_record, encode_manifest
+from storage.store import (BlobMissing, Store, StoreCorrupt, decode_record, encode_manifest,
+                           known_record)
 
 # The empty starting state: every server makes its own, so it is never shared.
 UNSHARED = frozenset({"initial"})
@@ -99,9 +100,9 @@ class CachedStore(Store):
         parallel): a restore reads a buffer's chunks in order.
         """
         if key in self._pending:
-            return _verified(self._pending[key], key, "the state being saved")
+            return _verified(self._pending[key], key)
         return self._read_through(key, super().blob,
-                                  lambda record: _verified(record, key, self.remote.url))
+                                  lambda record: _verified(record, key, self.remote))
 
     def read_into(self, key, target):
         """Blob `key` into `target` (see Store.read_into): from the cache, else fetched
@@ -111,7 +112,7 @@ class CachedStore(Store):
             return
 
         def use(record):
-            target[:] = _verified(record, key, self.remote.url)
+            target[:] = _verified(record, key, self.remote)
         self._read_through(key, functools.partial(super().read_into, target=target), use)
 
     def _read_through(self, key, read, use):
@@ -215,7 +216,7 @@ class CachedStore(Store):
                                f"{self.remote.url}; run scripts/check_store.py --remote")
         record, modified = got
         # Its checksum catches damage on the way; its key, a wrong blob under the key.
-        if hashlib.sha256(_verified(record, key, self.remote.url)).hexdigest() != key:
+        if hashlib.sha256(_verified(record, key, self.remote)).hexdigest() != key:
             raise StoreCorrupt(f"blob {key} from {self.remote.url} does not hash to its key; "
                                f"refused. Run scripts/check_store.py --remote")
         return key, record, modified
@@ -455,10 +456,16 @@ def _alive(pid):
     return True
 
 
-def _verified(record, key, where):
-    """The payload of blob record `record`; StoreCorrupt if it fails its checksum."""
+def _verified(record, key, remote=None):
+    """The payload of blob record `record` (from `remote`, else from the state being
+    saved); StoreCorrupt if it fails its checksum. A record of a type this server
+    does not know is damage unless a newer server has written on the remote since
+    this one checked its format: then NewerFormat (storage/remote.py)."""
     problem, payload = decode_record(record, key)
     if problem:
+        if remote is not None and not known_record(record):
+            remote.check_format()
+        where = "the state being saved" if remote is None else remote.url
         raise StoreCorrupt(f"blob {key} from {where} is {problem}; refused. Run "
                            f"scripts/check_store.py --remote")
     return payload

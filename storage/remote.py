@@ -9,6 +9,15 @@ Several servers share one bucket prefix, `s3://BUCKET/PREFIX`:
                             name is percent-quoted, so any name is one key
     PREFIX/gc/unreferenced.json   when scripts/gc_states.py first found each
                             unreferenced blob unreferenced
+    PREFIX/format           the store format of the newest server that wrote
+                            here (as the LMDB store's format record)
+
+A server records its format when it first reaches the remote (a newer
+format recorded there stands: the record only goes up, by compare-and-swap)
+and refuses a remote of a format it cannot read, as it refuses such a local
+store. So a blob record of a type this server does not know is damage only
+while the remote's format is one this server reads; after a newer server
+has written there, it is that server's (NewerFormat, "upgrade this server").
 
 A name record is created with If-None-Match: * and replaced or deleted only
 with If-Match on the ETag its writer last saw, so two servers rebinding one
@@ -33,7 +42,8 @@ import os
 import threading
 import urllib.parse
 
-from storage.store import Store, StoreError, decode_manifest, decode_record, encode_manifest
+from storage.store import (FORMAT_VERSION, Store, StoreError, decode_manifest, decode_record,
+                           encode_manifest, format_refusal)
 
 # Credential providers of botocore that ask the network (an EC2/ECS metadata address).
 _NETWORK_PROVIDERS = ("container-role", "iam-role")
@@ -41,6 +51,11 @@ _NETWORK_PROVIDERS = ("container-role", "iam-role")
 # one costs 5 to 150 ms, more than a cell), less the parent's connections.
 _clients = {}
 _clients_lock = threading.Lock()  # boto3 sessions must not be made by two threads at once
+
+
+# Writes of the format record refused (another server's in between) before giving up
+# until the next start: each read again first.
+_FORMAT_TRIES = 5
 
 
 class RemoteError(StoreError):
@@ -151,9 +166,45 @@ class RemoteStore:
                                     f"({type(exc).__name__}: {exc}); try again later") from None
 
     def check(self):
-        """Raise unless the bucket can be reached and read."""
+        """Raise unless the bucket can be reached and read, and holds a format this
+        server reads; then record this server's format there (check_format)."""
         if self._call("list_objects_v2", Prefix=self.prefix, MaxKeys=1) == 404:
             raise RemoteError(f"the bucket of {self.url} does not exist")
+        self.check_format(record=True)
+
+    # The format record ----------------------------------------------------
+
+    def check_format(self, record=False):
+        """Raise NewerFormat if a newer server recorded a format this one cannot read
+        (StoreError for a record that is no format). With `record`, write this
+        server's format where there is none or an older one (only ever upward:
+        If-None-Match or If-Match on the record read, read again when refused)."""
+        key = f"{self.prefix}format"
+        current = str(FORMAT_VERSION).encode()
+        for _ in range(_FORMAT_TRIES):  # each refused write: another server wrote it
+            answer = self._call("get_object", Key=key)
+            found, etag = (None, None) if answer in (404, 412) else (
+                self._body(answer, "the format record").strip(), answer["ETag"])
+            if found is not None:
+                refusal = format_refusal(
+                    found, f"the remote store {self.url}",
+                    "upgrade this server to the version that wrote it (servers sharing a "
+                    "bucket must run one version)")
+                if refusal:
+                    raise refusal
+            if not record or found == current:
+                return
+            condition = {"IfMatch": etag} if etag else {"IfNoneMatch": "*"}
+            if self._call("put_object", Key=key, Body=current, **condition) not in (404, 412):
+                return
+
+    def _body(self, answer, what):
+        """The body of a get_object answer; RemoteUnavailable if the connection breaks."""
+        try:
+            return answer["Body"].read()
+        except Exception as exc:  # the connection broke while the body came
+            raise RemoteUnavailable(f"reading {what} from {self.url} failed: "
+                                    f"{type(exc).__name__}: {exc}") from None
 
     # Blobs ---------------------------------------------------------------
 
@@ -166,11 +217,7 @@ class RemoteStore:
         answer = self._call("get_object", Key=self._blob_key(key))
         if answer in (404, 412):
             return None
-        try:
-            return answer["Body"].read(), _epoch(answer["LastModified"])
-        except Exception as exc:  # the connection broke while the body came
-            raise RemoteUnavailable(f"reading blob {key} from {self.url} failed: "
-                                    f"{type(exc).__name__}: {exc}") from None
+        return self._body(answer, f"blob {key}"), _epoch(answer["LastModified"])
 
     def head_blob(self, key):
         """The LastModified epoch of blob `key`, or None if it is absent."""
@@ -246,11 +293,7 @@ class RemoteStore:
         answer = self._call("get_object", Key=self._name_key(name))
         if answer in (404, 412):
             return None
-        try:
-            return answer["Body"].read(), answer["ETag"]
-        except Exception as exc:  # the connection broke while the body came
-            raise RemoteUnavailable(f"reading the record of state {name!r} from {self.url} "
-                                    f"failed: {type(exc).__name__}: {exc}") from None
+        return self._body(answer, f"the record of state {name!r}"), answer["ETag"]
 
     def get_name(self, name):
         """(manifest, ETag) of name `name`, or None if the remote has no such name."""

@@ -51,15 +51,16 @@ class RemoteNames:
         self.looked = threading.Event()  # set while no listing is under way
         self.looked.set()
         self.wake = threading.Event()
+        self.format_checked = False  # see RemoteStore.check_format
 
     def start(self):
         """Take in the remote's names and start publishing the queue.
 
         An unreachable remote is not fatal (the server starts from its
-        cache); a remote set up wrongly (credentials, bucket) is.
+        cache); a remote set up wrongly (credentials, bucket) or written by a
+        newer server (its format record) is.
         """
         try:
-            self.remote.check()
             self._look(queue_local=True)
         except RemoteUnavailable as exc:
             log.warning("starting from the local cache: %s", exc)
@@ -102,7 +103,7 @@ class RemoteNames:
         try:
             with self.look_lock:
                 look()
-        except RemoteUnavailable as exc:
+        except StoreError as exc:  # unreachable; or a newer server's since the start
             log.warning("the remote's names are not refreshed: %s", exc)
             self.quiet_until = time.monotonic() + self.retry_s
 
@@ -112,7 +113,11 @@ class RemoteNames:
             self.taken.update(found)
 
     def _look(self, queue_local=False):
-        """Read the remote's list of names; cache what changed; return the changes."""
+        """Read the remote's list of names; cache what changed; return the changes.
+        The first look that reaches the remote checks it first (RemoteStore.check)."""
+        if not self.format_checked:
+            self.remote.check()
+            self.format_checked = True
         began = time.time()
         listing = self.remote.names()
         self.last_look = time.monotonic()

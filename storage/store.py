@@ -102,6 +102,11 @@ class StoreCorrupt(StoreError):
     """Stored bytes failed verification (or are missing): the data on disk was damaged."""
 
 
+class NewerFormat(StoreError):
+    """The store, or a blob of it, was written by a newer snapshot-kernel: nothing is
+    damaged, this server is too old to read it."""
+
+
 class BlobMissing(StoreCorrupt):
     """A blob is not in the store. Damage for a store of its own; for the cache of a
     remote (storage/cache.py), a blob to fetch."""
@@ -239,11 +244,11 @@ class Store:
                 if found in (None, *_READABLE_FORMATS):
                     txn.put(b"format", current)
                     found = current
-        if found not in _READABLE_FORMATS:
-            raise StoreError(
-                f"the store at {self.path} has format {found.decode(errors='replace')}, "
-                f"this server reads formats {b', '.join(_READABLE_FORMATS).decode()}; use "
-                f"a server of that version or point --data-dir at another folder")
+        refusal = format_refusal(found, f"the store at {self.path}",
+                                 "use a server of that version or point --data-dir at "
+                                 "another folder")
+        if refusal:
+            raise refusal
 
     @contextlib.contextmanager
     def _writing(self, size=0):
@@ -627,6 +632,24 @@ def _scratch(size):
     if buffer is None or len(buffer) < size:
         buffer = _scratches.buffer = bytearray(size)
     return memoryview(buffer)[:size]
+
+
+def format_refusal(found, what, advice):
+    """None if this server reads format `found` (the bytes of a format record) of
+    `what`; else the error to raise, saying what to do (`advice`)."""
+    if found in _READABLE_FORMATS:
+        return None
+    said = found.decode(errors="replace")
+    message = (f"{what} has format {said}, this server reads formats "
+               f"{b', '.join(_READABLE_FORMATS).decode()}; {advice}")
+    newer = said.isdigit() and int(said) > FORMAT_VERSION
+    return NewerFormat(message) if newer else StoreError(message)
+
+
+def known_record(record):
+    """Whether blob record `record` is of a type this server reads (one it does not is
+    damaged, or written by a newer server: see format_refusal)."""
+    return bytes(record[:1]) in (_ZSTD, _ZSTD_SHUFFLED, _RAW_XXH, _RAW)
 
 
 def decode_record(record, key):

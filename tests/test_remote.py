@@ -10,11 +10,12 @@ import sys
 import numpy as np
 import pytest
 
-from conftest import ROOT, Server, in_thread, wait_for
+from conftest import ROOT, Server, free_port, in_thread, wait_for
 from kernel import config
 from storage import lmdbfile
 from storage.cache import CachedStore
-from storage.store import Store, decode_manifest, decode_record, referenced_blobs
+from storage.store import (FORMAT_VERSION, Store, decode_manifest, decode_record,
+                           referenced_blobs)
 
 BIG_LEN = 500_000  # 4 MB of int64 below 2 ** 40: 4 chunks, each over 256 KiB zstd'ed
 
@@ -195,6 +196,30 @@ def test_remote_down_then_up_sync(s3, make_server):
     assert b.value("during", "x") == "2"
 
 
+def test_a_context_the_remote_cannot_send_fails_the_restore_instead_of_dropping_it(
+        s3, make_server):
+    """A cold server restoring a state while the remote is down: the state's context
+    (here the seeded generator) cannot be read, so the execution fails with 503 rather
+    than running in a process that differs from the state; once the remote is back the
+    state restores whole."""
+    bucket = s3.bucket()
+    config = s3.config(bucket, timeout_s=3.0)
+    a = make_server(config=config)
+    a.execute("import random\nrandom.seed(5)", new="seeded")
+    expected = a.value("seeded", "random.random()")
+    b = make_server(config=config)  # a cold cache: the context's blobs are on the remote
+    assert "seeded" in b.get("/states").json()["states"]
+    s3.pause()
+    try:
+        r = b.post("/execute", {"code": "random.random()", "exec_id": "down",
+                                "state_name": "seeded"})
+        assert r.status_code == 503, r.text
+        assert r.json()["error"]["type"] == "RemoteUnavailable", r.text
+    finally:
+        s3.resume()
+    assert b.value("seeded", "random.random()") == expected
+
+
 def test_remote_down_then_up_async_survives_a_restart(s3, make_server, tmp_path):
     """Async: executions go on while the remote is down; the queue survives a restart of
     the server and is uploaded once the remote is back."""
@@ -283,6 +308,85 @@ def test_a_blob_that_does_not_hash_to_its_key_is_refused(s3, make_server, tmp_pa
     config.write_text(s3.config(bucket))
     status, out = run_script("scripts/check_store.py", "--remote", "--config", str(config))
     assert status == 1 and key in out, out
+
+
+def remote_format(s3, bucket):
+    """The bucket's format record (bytes), or None."""
+    try:
+        return s3.client.get_object(Bucket=bucket, Key="states/format")["Body"].read()
+    except s3.client.exceptions.NoSuchKey:
+        return None
+
+
+def start_refused(config, data_dir):
+    """Start a server that must refuse to serve; (exit status, stderr)."""
+    proc = subprocess.run([sys.executable, "main.py", "--no-auth", "--bind",
+                           f"127.0.0.1:{free_port()}", "--data-dir", str(data_dir),
+                           "--config", str(config)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=120)
+    return proc.returncode, proc.stderr
+
+
+def test_the_bucket_records_its_format_and_a_newer_one_is_refused(s3, make_server, tmp_path):
+    """A server records its store format on the bucket, raising an older record; on a
+    bucket a newer server marked, a server refuses to start and the scripts refuse to
+    check or collect it, each naming the format and none advising to delete anything."""
+    bucket = s3.bucket()
+    config = tmp_path / "remote.toml"
+    config.write_text(s3.config(bucket))
+    assert remote_format(s3, bucket) is None
+    a = make_server(config=s3.config(bucket))
+    assert remote_format(s3, bucket) == str(FORMAT_VERSION).encode()
+    a.execute("x = 1", new="s")
+    a.stop()
+    s3.client.put_object(Bucket=bucket, Key="states/format", Body=b"2")
+    b = make_server(data_dir=tmp_path / "b", config=s3.config(bucket))
+    assert remote_format(s3, bucket) == str(FORMAT_VERSION).encode()
+    assert b.value("s", "x") == "1"
+    b.stop()
+    newer = str(FORMAT_VERSION + 1)
+    s3.client.put_object(Bucket=bucket, Key="states/format", Body=newer.encode())
+    status, err = start_refused(config, tmp_path / "c")
+    assert status != 0 and f"has format {newer}" in err and "upgrade this server" in err, err
+    assert "Traceback" not in err and "delete" not in err, err
+    blobs = s3.objects(bucket, "blobs")
+    for script in ("scripts/check_store.py", "scripts/gc_states.py"):
+        status, out = run_script(script, "--remote", "--config", str(config),
+                                 *(["--match", ".*", "--grace", "0s"] if "gc" in script
+                                   else []))
+        assert status == 1 and f"has format {newer}" in out, out
+        assert "Traceback" not in out and "delete" not in out, out
+    assert s3.objects(bucket, "blobs").keys() == blobs.keys()
+    assert s3.objects(bucket, "names").keys() == {"s"}
+    assert remote_format(s3, bucket) == newer.encode()  # never lowered
+
+
+def test_a_newer_servers_blob_is_not_called_damaged(s3, make_server):
+    """A blob of a record type this server does not know: while the bucket's format is
+    this server's, it is damage (StoreCorrupt); once a newer server has marked the
+    bucket, it is NewerFormat, and the message advises an upgrade, not deleting."""
+    bucket = s3.bucket()
+    a = make_server(config=s3.config(bucket))
+    a.execute("payload = 'precious ' * 1000", new="s")
+    blobs = s3.objects(bucket, "blobs")
+    key = next(k for k in blobs if blobs[k]["Size"] < 2000)
+    record = s3.client.get_object(Bucket=bucket, Key=f"states/blobs/{key}")["Body"].read()
+    assert decode_record(record, key)[0] is None
+    # A record type no server of this format writes, in front of the same bytes.
+    s3.client.put_object(Bucket=bucket, Key=f"states/blobs/{key}", Body=b"Q" + record[1:])
+    b = make_server(config=s3.config(bucket))  # a cold cache: the blob comes from the bucket
+    r = b.post("/execute", {"code": "len(payload)", "exec_id": "damaged", "state_name": "s"})
+    assert r.status_code == 500, r.text
+    assert r.json()["error"]["type"] == "StoreCorrupt"
+    assert "unknown record type" in r.json()["error"]["message"]
+    newer = str(FORMAT_VERSION + 1)
+    s3.client.put_object(Bucket=bucket, Key="states/format", Body=newer.encode())
+    r = b.post("/execute", {"code": "len(payload)", "exec_id": "newer", "state_name": "s"})
+    assert r.status_code == 500, r.text
+    error = r.json()["error"]
+    assert error["type"] == "NewerFormat", error
+    assert f"has format {newer}" in error["message"] and "upgrade this server" in error["message"]
+    assert "delete" not in error["message"] and "damaged" not in error["message"], error
 
 
 def test_the_cache_stays_within_cache_gb(s3, make_server, tmp_path):

@@ -21,7 +21,7 @@ from storage import snapshot
 from storage.cache import open_store
 from storage.remote_names import RemoteNames
 from storage.remote import NameConflict, RemoteUnavailable
-from storage.store import Store, StoreCorrupt, StoreFull
+from storage.store import NewerFormat, Store, StoreCorrupt, StoreFull
 
 log = logging.getLogger("snapshot_kernel")
 
@@ -341,8 +341,8 @@ class Registry:
 
 
 # The store's errors a worker reports by name, raised again here.
-_STORE_ERRORS = {cls.__name__: cls for cls in (StoreFull, StoreCorrupt, RemoteUnavailable,
-                                               NameConflict)}
+_STORE_ERRORS = {cls.__name__: cls for cls in (StoreFull, StoreCorrupt, NewerFormat,
+                                               RemoteUnavailable, NameConflict)}
 
 
 def check_folder(cwd):

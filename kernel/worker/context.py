@@ -45,7 +45,7 @@ from kernel.files import sha256_file
 from kernel.worker import widgets
 from kernel.worker.capture import figures, libraries, shell, streams
 from storage import serializer
-from storage.store import StoreCorrupt
+from storage.store import StoreError
 
 # What the zygote had before any cell: the environment and sys.path every worker
 # starts from (set by `remember_base` in the zygote, inherited by every fork).
@@ -862,7 +862,7 @@ def keys(context):
 def restore(manifest, store, settings):
     """Apply the context of `manifest` to this process, provider by provider; returns
     (context, warnings): {provider: (key, value)} and what could not be applied.
-    StoreCorrupt when a blob of it is damaged."""
+    StoreError when a blob of it cannot be read (StoreCorrupt: damaged)."""
     _SETTINGS["settings"] = settings
     kept = manifest.get("context") or {}
     context, problems = {}, []
@@ -872,8 +872,10 @@ def restore(manifest, store, settings):
             continue
         try:
             value = pickle.loads(store.blob(key))
-        except StoreCorrupt:
-            raise  # damaged bytes: the state cannot be what it was (HTTP 500)
+        except StoreError:
+            # Damaged bytes, an unreachable remote, a newer server's record: the state
+            # cannot be what it was, and a warning would hide that.
+            raise
         except Exception as exc:  # a library of another version cannot read it back
             problems.append(f"{provider.name} could not be read back: "
                             f"{type(exc).__name__}: {exc}")

@@ -22,7 +22,7 @@ from kernel.channel import ChannelClosed
 from kernel.worker import context, replay
 from kernel.worker.process import WorkerProcess, core_free, fork_worker
 from storage import snapshot
-from storage.store import StoreCorrupt, encode_manifest
+from storage.store import StoreError, encode_manifest
 
 # A spare child warms up only after this long without a request (see StateHolder.warm).
 WARM_AFTER_S = 0.05
@@ -228,8 +228,8 @@ class StateHolder(WorkerProcess):
         try:
             self.context, self.context_warnings = context.restore(
                 self.manifest, self.store(), self.settings)
-        except StoreCorrupt as exc:
-            self.channel.send(protocol.Failed("StoreCorrupt", f"state "
+        except StoreError as exc:
+            self.channel.send(protocol.Failed(type(exc).__name__, f"state "
                                               f"{self.manifest['name']!r}: {exc}"))
             os._exit(1)
         wake = self.reaper()
