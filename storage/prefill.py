@@ -44,6 +44,9 @@ _MARGIN = 1024
 _FROM = 2 ** 22
 _PIECE = 2 ** 20
 _ZEROS = memoryview(bytes(_PIECE))
+# A record's key and node header in a leaf page, at most (a blob's key is 32 bytes): LMDB
+# keeps a record this much under half a page in the leaf, a larger one in pages of its own.
+_NODE = 64
 # Room for the new pages of the trees: a transaction of a few hundred blobs copies a
 # few dozen tree pages.
 _TREES = 2 ** 18
@@ -79,7 +82,11 @@ class Prefill:
         self.dirty += 1 + 2 * _LEVELS
         if self.dirty + 2 * (_LEVELS + pages + 1) + _MARGIN >= _DIRTY_MAX:
             self.stopped = True  # this put may spill: after it, LMDB may write there too
-        self.end = min(self.end + pages * self.page, self.limit)
+        if size + _NODE > self.page // 2:  # a run of overflow pages of its own
+            grows = pages * self.page
+        else:  # a node in a leaf page, and leaf pages split half full
+            grows = 2 * (size + _NODE)
+        self.end = min(self.end + grows, self.limit)
         if self.end - self.start < _FROM:
             return
         try:

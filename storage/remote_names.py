@@ -95,6 +95,8 @@ class RemoteNames:
         """Read the list of names for `changes` (then let it go on)."""
         try:
             self._guarded(lambda: self._take(self._look()))
+        except StoreError as exc:  # set up wrongly, or a newer server's format: a request
+            log.error("the remote's names are not refreshed: %s", exc)  # reading it says so
         finally:
             self.looked.set()
 
@@ -103,7 +105,7 @@ class RemoteNames:
         try:
             with self.look_lock:
                 look()
-        except StoreError as exc:  # unreachable; or a newer server's since the start
+        except RemoteUnavailable as exc:
             log.warning("the remote's names are not refreshed: %s", exc)
             self.quiet_until = time.monotonic() + self.retry_s
 

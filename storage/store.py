@@ -41,6 +41,7 @@ _READABLE_FORMATS = (b"1", b"2", b"3")
 # byte-shuffled (storage/shuffle.py; format 3); raw after an XXH3-64 digest; raw
 # without checksum (format 1).
 _ZSTD, _ZSTD_SHUFFLED, _RAW_XXH, _RAW = b"Z", b"S", b"H", b"R"
+_RECORD_TYPES = (_ZSTD, _ZSTD_SHUFFLED, _RAW_XXH, _RAW)
 _XXH_BYTES = 8
 _MISSING = "missing from the store"
 # A payload this large is first compressed in three samples of _SAMPLE bytes: one that
@@ -649,7 +650,7 @@ def format_refusal(found, what, advice):
 def known_record(record):
     """Whether blob record `record` is of a type this server reads (one it does not is
     damaged, or written by a newer server: see format_refusal)."""
-    return bytes(record[:1]) in (_ZSTD, _ZSTD_SHUFFLED, _RAW_XXH, _RAW)
+    return bytes(record[:1]) in _RECORD_TYPES
 
 
 def decode_record(record, key):

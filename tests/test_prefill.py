@@ -154,3 +154,23 @@ def test_the_zeros_stop_before_lmdb_spills_and_every_record_is_kept(tmp_path):
         for i in range(140_000):
             assert txn.get(i.to_bytes(8, "big")) == value(i), i
     env.close()
+
+
+def test_small_records_are_counted_by_their_bytes_not_a_page_each(tmp_path):
+    """5,000 records of 200 bytes share leaf pages (LMDB's commit uses about 2 MiB): the
+    zeros laid down for them stay within twice that. One page each would write 20 MiB
+    of zeros that the commit never writes over, flushed at the next sync."""
+    env = lmdb.open(str(tmp_path), map_size=2 ** 31, max_dbs=2)
+    db = env.open_db(b"blobs")
+    before = env.info()["last_pgno"]
+    ahead = Prefill(str(tmp_path))
+    rng = np.random.default_rng(6)
+    with env.begin(write=True) as txn:
+        ahead.began(env)
+        for _ in range(5_000):
+            ahead.put(txn, rng.bytes(32), rng.bytes(200), db=db)
+        assert not ahead.stopped  # the zeros were free to go as far as the estimate
+    ahead.close()
+    used = (env.info()["last_pgno"] - before) * env.stat()["psize"]
+    assert ahead.done - ahead.start <= 2 * used, (ahead.done - ahead.start, used)
+    env.close()

@@ -361,6 +361,25 @@ def test_the_bucket_records_its_format_and_a_newer_one_is_refused(s3, make_serve
     assert remote_format(s3, bucket) == newer.encode()  # never lowered
 
 
+def test_a_server_started_while_the_remote_was_down_records_its_format_once_back(
+        s3, make_server):
+    """The format record is checked and raised by the first look that reaches the
+    remote, when the server had to start from its cache."""
+    bucket = s3.bucket()
+    s3.client.put_object(Bucket=bucket, Key="states/format", Body=b"2")
+    s3.pause()
+    try:
+        a = make_server(config=s3.config(bucket, timeout_s=2.0))  # starts from its cache
+    finally:
+        s3.resume()
+    assert remote_format(s3, bucket) == b"2"
+
+    def raised():
+        a.get("/states")  # a look at the remote's names, once the quiet period is over
+        return remote_format(s3, bucket) == str(FORMAT_VERSION).encode()
+    wait_for(raised, "the format record raised by the first look")
+
+
 def test_a_newer_servers_blob_is_not_called_damaged(s3, make_server):
     """A blob of a record type this server does not know: while the bucket's format is
     this server's, it is damage (StoreCorrupt); once a newer server has marked the
