@@ -142,6 +142,20 @@ def test_command_line_refuses_bad_input():
         assert message in run.stderr and "Traceback" not in run.stderr
 
 
+def test_the_scaling_workload_leaves_no_store_behind(tmp_path):
+    """bench.py --only s removes its stores when it ends, as the other workloads do (a
+    full run left 3 GB in the temporary folder each time)."""
+    import os
+    temp = tmp_path / "temp"
+    temp.mkdir()
+    run = subprocess.run([sys.executable, "scripts/bench.py", "--quick", "--only", "s",
+                          "--no-write"], cwd=ROOT, capture_output=True, text=True,
+                         timeout=600, env=dict(os.environ, TMPDIR=str(temp)))
+    assert run.returncode == 0, run.stderr
+    assert "| s | " in run.stdout
+    assert list(temp.iterdir()) == []
+
+
 def test_profile_of_a_real_server_covers_every_phase(tmp_path):
     """Our server with server.trace_file set stamps every phase of each request, in order."""
     path = tmp_path / "trace.jsonl"

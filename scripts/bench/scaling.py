@@ -263,7 +263,9 @@ def matrix(rows):
 def wl_scaling(peers, p, table, details, keep):
     """(s) the costs of states of growing size, on a server of its own with a trace file."""
     mode = "quick" if p["mode"] == "quick" else "full"
-    tmp = tempfile.mkdtemp(prefix="snapshot-bench-scaling-")
+    # In the run's folder, which goes when the run ends (unless --keep): a full run leaves
+    # about 3 GB in its store.
+    tmp = tempfile.mkdtemp(dir=os.path.dirname(peers["ours"].dir), prefix="scaling-")
     path = os.path.join(tmp, "trace.jsonl")
     peer = Ours(tmp, config=f"[server]\ntrace_file = {json.dumps(path)}\n")
     peer.start()
