@@ -358,3 +358,44 @@ def test_full_file_system_answers_507_and_gc_makes_it_writable(make_server, smal
         assert srv.value(name, f"int({variable}[::1000].sum())") == total
     srv.stop()
     _recover(make_server, data, None, made, failed)
+
+
+def _delete_blob(data_dir, key):
+    """Take blob `key` out of the store (as a lost record would be)."""
+    with lmdb.open(str(data_dir), max_dbs=5) as env:
+        blobs = env.open_db(b"blobs")
+        with env.begin(write=True, db=blobs) as txn:
+            assert txn.delete(bytes.fromhex(key))
+
+
+def test_a_missing_blob_is_store_corrupt_for_a_value_and_for_the_context(make_server,
+                                                                         tmp_path):
+    """A blob gone from the store (of a value, or of the state's process context)
+    answers 500 StoreCorrupt after a restart, as a damaged one does, not a cell
+    error; the state's other values and the other states still load."""
+    data = tmp_path / "store"
+    srv = make_server(data)
+    srv.execute("import numpy as np\nimport random\ngood = 1", new="good")
+    srv.execute(f"v = {VALUES['raw']}\nother = [1, 2, 3]", state="good", new="lost")
+    srv.execute("random.seed(5)", state="good", new="seeded")
+    srv.stop()
+    key, _ = chunk_record(data, "lost", "v")
+    _delete_blob(data, key)
+    store = Store(str(data))
+    try:
+        context_key = store.manifest("seeded")["context"]["random"]
+    finally:
+        store.env.close()
+    _delete_blob(data, context_key)
+
+    again = make_server(data)
+    for state, code, missing in (("lost", "float(v.sum())", key),
+                                 ("seeded", "random.random()", context_key)):
+        r = again.post("/execute", {"code": code, "exec_id": f"x-{state}",
+                                    "state_name": state})
+        assert r.status_code == 500, r.text
+        error = r.json()["error"]
+        assert error["type"] == "StoreCorrupt", error
+        assert missing in error["message"] and "missing" in error["message"]
+    assert again.execute("other[0] + 1", state="lost")["error"] is None
+    assert again.value("good", "good") == "1"

@@ -21,7 +21,7 @@ from storage import snapshot
 from storage.cache import open_store
 from storage.remote_names import RemoteNames
 from storage.remote import NameConflict, RemoteUnavailable
-from storage.store import NewerFormat, Store, StoreCorrupt, StoreFull
+from storage.store import BlobMissing, NewerFormat, Store, StoreCorrupt, StoreFull
 
 log = logging.getLogger("snapshot_kernel")
 
@@ -340,9 +340,10 @@ class Registry:
         return True
 
 
-# The store's errors a worker reports by name, raised again here.
-_STORE_ERRORS = {cls.__name__: cls for cls in (StoreFull, StoreCorrupt, NewerFormat,
-                                               RemoteUnavailable, NameConflict)}
+# The store's errors a worker reports by name, raised again here (a worker reports its
+# exception's own class: BlobMissing is a StoreCorrupt).
+_STORE_ERRORS = {cls.__name__: cls for cls in (StoreFull, StoreCorrupt, BlobMissing,
+                                               NewerFormat, RemoteUnavailable, NameConflict)}
 
 
 def check_folder(cwd):
