@@ -110,7 +110,8 @@ def test_worker_state_restored_and_no_threads_left(server):
         state = answer["state_name"]
         # (after its answer the child forks a holder and rehearses a cell: a moment)
         wait_for(lambda: _process_state(pid) == before,
-                 f"process {pid} to be as before, after {code!r}: {_process_state(pid)}")
+                 f"process {pid} to be as before ({before}), after {code!r}: "
+                 f"{_process_state(pid)}")
     added = server.value(state, "sorted(set(vars(builtins)) ^ names)")
     assert added in ("[]", "['__IPYTHON__']")
 
