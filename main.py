@@ -18,8 +18,8 @@ import logging
 import os
 import sys
 
-from kernel import config as config_mod
-from kernel.protocol import ORDERS, FreshOptions
+from snapkernel.kernel import config as config_mod
+from snapkernel.kernel.protocol import ORDERS, FreshOptions
 
 COMMANDS = ("serve", "run", "install-kernelspec")
 
@@ -28,7 +28,7 @@ def __getattr__(name):
     """`app`, the bottle app that bottle's command line serves (main:app): imported when
     asked for, so that `serve` starts the workers' zygote before these imports."""
     if name == "app":
-        from api.routes import app
+        from snapkernel.api.routes import app
         return app
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
@@ -120,7 +120,7 @@ _STORE_ONLY = ("rerun", "data_dir", "server", "allow_errors")
 
 def _kernelspec_options(p):
     """The options of `install-kernelspec`."""
-    from kernel.jupyter.kernelspec import DEFAULT_NAME
+    from snapkernel.kernel.jupyter.kernelspec import DEFAULT_NAME
     where = p.add_mutually_exclusive_group()
     where.add_argument("--user", action="store_true",
                        help="install for this user rather than system-wide")
@@ -205,10 +205,10 @@ def main(argv=None):
     """Parse the command line and run the command it names."""
     args = parse(sys.argv[1:] if argv is None else argv)
     if args.command == "install-kernelspec":
-        from kernel.jupyter.kernelspec import install
+        from snapkernel.kernel.jupyter.kernelspec import install
         sys.exit(install(args.name, args.user, args.prefix, args.config))
     if args.command == "run":
-        from kernel.notebook import command
+        from snapkernel.kernel.notebook import command
         settings = settings_of(args)
         setup_logging(settings["server.log_file"], args.verbose)
         sys.exit(command.run(args, settings))
@@ -226,10 +226,10 @@ def main(argv=None):
     setup_logging(settings["server.log_file"], args.verbose)
     # The zygote first: it starts (0.1 s) while this process imports the server (0.13 s),
     # and a restart's first cell need not wait for it.
-    from kernel.server.pool import Pool
+    from snapkernel.kernel.server.pool import Pool
     pool = Pool(settings)
     pool.start()
-    from api import server
+    from snapkernel.api import server
     server.serve(host, int(port), settings, args.token, args.no_auth, pool)
 
 

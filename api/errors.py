@@ -5,10 +5,10 @@ storage.store); the HTTP layer answers each with its status and the JSON
 error `{"error": {"type", "message"}}`.
 """
 
-from kernel.errors import (Conflict, InvalidRequest, KernelError, NotebookNotFound,
+from snapkernel.kernel.errors import (Conflict, InvalidRequest, KernelError, NotebookNotFound,
                            RequestFailed, ServerStopping, StateNotFound)
-from storage.remote import NameConflict, RemoteUnavailable
-from storage.store import NewerFormat, StoreCorrupt, StoreError, StoreFull
+from snapkernel.storage.remote import NameConflict, RemoteUnavailable
+from snapkernel.storage.store import NewerFormat, StoreCorrupt, StoreError, StoreFull
 
 
 class BadRequest(Exception):

@@ -10,9 +10,9 @@ tells nothing secret, but "only /health is open" is a rule easy to check.
 import copy
 import dataclasses
 
-from kernel import __version__
-from kernel.protocol import CELL_FIELDS, ORDERS, CellStatus, ExecuteAnswer, NotebookRun
-from kernel.server.registry import MAX_NAME_BYTES
+from snapkernel.kernel import __version__
+from snapkernel.kernel.protocol import CELL_FIELDS, ORDERS, CellStatus, ExecuteAnswer, NotebookRun
+from snapkernel.kernel.server.registry import MAX_NAME_BYTES
 
 MAX_NAME = 200
 

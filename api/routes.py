@@ -21,15 +21,15 @@ import urllib.parse
 
 import bottle
 
-from api import openapi
-from api.errors import BadRequest, PayloadTooLarge, status_of
-from api.validation import check_body, check_state_name
-from kernel import config as config_mod
-from kernel import trace
-from kernel.errors import ServerStopping
-from kernel.protocol import FreshOptions, NotebookCell, NotebookRequest
-from kernel.server.registry import Registry
-from storage.store import claim_store
+from snapkernel.api import openapi
+from snapkernel.api.errors import BadRequest, PayloadTooLarge, status_of
+from snapkernel.api.validation import check_body, check_state_name
+from snapkernel.kernel import config as config_mod
+from snapkernel.kernel import trace
+from snapkernel.kernel.errors import ServerStopping
+from snapkernel.kernel.protocol import FreshOptions, NotebookCell, NotebookRequest
+from snapkernel.kernel.server.registry import Registry
+from snapkernel.storage.store import claim_store
 
 app = bottle.Bottle()
 log = logging.getLogger("snapshot_kernel")
@@ -84,7 +84,7 @@ class Service:
         with self.lock:
             if self._notebooks is None:
                 # Imported on first use: a server start need not wait for it.
-                from kernel.notebook.incremental import NotebookRunner
+                from snapkernel.kernel.notebook.incremental import NotebookRunner
                 self._notebooks = NotebookRunner(registry)
             return self._notebooks
 
@@ -378,7 +378,7 @@ def run_notebook():
     data = body("/notebooks/run")
     request = notebook_request(data)
     if request.fresh is not None:
-        from kernel.notebook import fresh
+        from snapkernel.kernel.notebook import fresh
         return answered(lambda on_cell: fresh.run_request(request, service.settings, on_cell),
                         data.get("stream"), _cell_line)
     return answered(lambda on_cell: service.notebooks.run(request, on_cell),

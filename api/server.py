@@ -15,8 +15,8 @@ import threading
 from cheroot import wsgi
 from cheroot.ssl.builtin import BuiltinSSLAdapter
 
-from api.routes import app, service
-from storage.store import StoreError, StoreHeld, note_holder
+from snapkernel.api.routes import app, service
+from snapkernel.storage.store import StoreError, StoreHeld, note_holder
 
 # The listen backlog: cheroot's default of 5 drops connections of a burst of clients
 # (each then waits a 1 s SYN retry); let the kernel queue them.

@@ -12,8 +12,8 @@ import functools
 
 import fastjsonschema
 
-from api import openapi
-from api.errors import BadRequest
+from snapkernel.api import openapi
+from snapkernel.api.errors import BadRequest
 
 
 def _json_schema(schema):

@@ -1,4 +1,5 @@
-"""Configuration: the defaults in kernel/config.toml, overridden by a user file and flags."""
+"""Configuration: the defaults in config.toml (at the top of the package), overridden by
+a user file and flags."""
 
 import importlib.resources
 import os
@@ -26,7 +27,7 @@ def _read(path):
 
 def defaults_text():
     """The text of the defaults file, config.toml in this package (installed with it)."""
-    return importlib.resources.files(__package__).joinpath("config.toml").read_text("utf-8")
+    return importlib.resources.files("snapkernel").joinpath("config.toml").read_text("utf-8")
 
 
 def default_data_dir():
@@ -92,7 +93,7 @@ def load(path=None, overrides=None):
 
 def _check_remote(flat):
     """Refuse remote settings that cannot work (before any server or worker starts)."""
-    from storage.remote import RemoteError, parse_url
+    from snapkernel.storage.remote import RemoteError, parse_url
     try:
         parse_url(flat["store.remote"])
     except RemoteError as exc:

@@ -2,12 +2,13 @@
 Jupyter kernel and the server it starts, a fresh run's environment probe.
 
 Each is this interpreter with `-P` (Python 3.11): the working directory stays
-off sys.path, so a notebook folder's own `kernel/`, `storage/` or `main.py`
-cannot shadow ours (these processes start in the notebook's folder). An
-installed package (a wheel, or `pip install -e .`) is found without help;
-the folder that holds the `kernel` package goes on PYTHONPATH only when a
-new interpreter would not find this very package there (a checkout run as
-`python main.py` without installing it), since PYTHONPATH reaches every
+off sys.path, and our code is all inside the one package `snapkernel`, so a
+notebook folder's own `kernel/`, `storage.py` or `main.py` stays the
+notebook's (these processes start in the notebook's folder). An installed
+package (a wheel, or `pip install -e .`) is found without help; the folder
+that holds the `snapkernel` package goes on PYTHONPATH only when a new
+interpreter would not find this very package there (a fresh run's new HOME
+hides a package installed in the user site), since PYTHONPATH reaches every
 program a cell starts too.
 """
 
@@ -18,13 +19,15 @@ import site
 import subprocess
 import sys
 
-# The folder holding the `kernel` package (and `storage`, `api`, `main.py` beside it):
-# site-packages for a wheel, the checkout for an editable install.
-PACKAGE_HOME = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# The `snapkernel` package: site-packages/snapkernel for a wheel, the checkout for an
+# editable install (setuptools maps the package onto it).
+PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# The folder holding it, for PYTHONPATH (a wheel's site-packages).
+PACKAGE_HOME = os.path.dirname(PACKAGE_DIR)
 
-# Where a new interpreter finds `kernel`, if anywhere.
+# Where a new interpreter finds `snapkernel`, if anywhere.
 _PROBE = ("import importlib.util\n"
-          "spec = importlib.util.find_spec('kernel')\n"
+          "spec = importlib.util.find_spec('snapkernel')\n"
           "print(spec.origin if spec is not None and spec.origin else '')")
 
 # What decides a new interpreter's sys.path besides the executable.
@@ -78,20 +81,19 @@ def _editable_here():
                 continue
             url = info.get("url", "")
             if info.get("dir_info", {}).get("editable") and url.startswith("file://") and \
-                    os.path.realpath(url[len("file://"):]) == os.path.realpath(PACKAGE_HOME):
+                    os.path.realpath(url[len("file://"):]) == os.path.realpath(PACKAGE_DIR):
                 return True
     return False
 
 
 def _probe(base):
-    """Ask a new interpreter in environment `base` where it finds `kernel`: True unless
-    it finds this package."""
+    """Ask a new interpreter in environment `base` where it finds `snapkernel`: True
+    unless it finds this package."""
     try:
         done = subprocess.run(command(_PROBE), env=base, cwd="/", capture_output=True,
                               text=True, stdin=subprocess.DEVNULL, timeout=60)
     except (OSError, subprocess.TimeoutExpired):
         return True  # cannot tell: with the folder on PYTHONPATH it works either way
     found = done.stdout.strip()
-    here = os.path.join(PACKAGE_HOME, "kernel")
     return not (done.returncode == 0 and found
-                and os.path.realpath(os.path.dirname(found)) == os.path.realpath(here))
+                and os.path.realpath(os.path.dirname(found)) == os.path.realpath(PACKAGE_DIR))

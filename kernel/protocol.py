@@ -222,7 +222,7 @@ def comm_cell(msg_type, content, metadata=None, buffers=()):
         raise ValueError(f"not a comm message: {msg_type!r}")
     message = json.dumps({"content": content, "metadata": metadata or {},
                           "buffers": list(buffers)})
-    return (f"__import__('kernel.worker.capture.comms', fromlist=['deliver'])"
+    return (f"__import__('snapkernel.kernel.worker.capture.comms', fromlist=['deliver'])"
             f".deliver({msg_type!r}, {message!r})\n")
 
 

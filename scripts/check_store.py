@@ -41,10 +41,10 @@ import time
 
 import lmdb
 
-from kernel import config as config_mod
-from storage import lmdbfile
-from storage.remote import RemoteStore
-from storage.store import Store, StoreCorrupt, StoreError, decode_manifest
+from snapkernel.kernel import config as config_mod
+from snapkernel.storage import lmdbfile
+from snapkernel.storage.remote import RemoteStore
+from snapkernel.storage.store import Store, StoreCorrupt, StoreError, decode_manifest
 
 DATA_FILE = "data.mdb"
 _LISTED = 20  # unreferenced blobs listed by key; the rest are only counted

@@ -60,10 +60,10 @@ import sys
 
 import lmdb
 
-from kernel import config as config_mod
-from storage.notebooks import NotebookStore
-from storage.remote import NameConflict, RemoteStore
-from storage.store import Store, StoreError, StoreHeld, claim_store
+from snapkernel.kernel import config as config_mod
+from snapkernel.storage.notebooks import NotebookStore
+from snapkernel.storage.remote import NameConflict, RemoteStore
+from snapkernel.storage.store import Store, StoreError, StoreHeld, claim_store
 
 INITIAL = "initial"
 DATA_FILE = "data.mdb"

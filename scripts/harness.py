@@ -19,7 +19,7 @@ import time
 
 import psutil
 
-from api.client import Client, ServerError
+from snapkernel.api.client import Client, ServerError
 
 # The checkout: where main.py and the git history are.
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -37,7 +37,7 @@ import threading
 import time
 
 from harness import Server, ServerError, alive, machine, revision
-from kernel import config
+from snapkernel.kernel import config
 
 
 def settled(condition, timeout=60):

@@ -23,9 +23,9 @@ import time
 import numpy as np
 import zstandard
 
-from kernel import config as config_mod
-from storage import snapshot
-from storage.store import Store
+from snapkernel.kernel import config as config_mod
+from snapkernel.storage import snapshot
+from snapkernel.storage.store import Store
 
 
 def unverified(store, key):

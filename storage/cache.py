@@ -46,9 +46,9 @@ import struct
 import threading
 import time
 
-from storage.prefill import Prefill
-from storage.remote import RemoteStore
-from storage.store import (BlobMissing, Store, StoreCorrupt, decode_record, encode_manifest,
+from snapkernel.storage.prefill import Prefill
+from snapkernel.storage.remote import RemoteStore
+from snapkernel.storage.store import (BlobMissing, Store, StoreCorrupt, decode_record, encode_manifest,
                            known_record)
 
 # The empty starting state: every server makes its own, so it is never shared.

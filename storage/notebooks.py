@@ -16,7 +16,7 @@ end. Nothing here runs user code.
 
 import lmdb
 
-from storage.store import StoreFull, decode_manifest, encode_manifest
+from snapkernel.storage.store import StoreFull, decode_manifest, encode_manifest
 
 DB = b"notebooks"
 _RESULT = b"result/"

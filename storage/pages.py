@@ -30,7 +30,7 @@ import weakref
 
 import xxhash
 
-from storage import threads
+from snapkernel.storage import threads
 
 _PAGE = os.sysconf("SC_PAGE_SIZE")
 _PRESENT = 1 << 63

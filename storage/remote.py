@@ -42,7 +42,7 @@ import os
 import threading
 import urllib.parse
 
-from storage.store import (FORMAT_VERSION, Store, StoreError, decode_manifest, decode_record,
+from snapkernel.storage.store import (FORMAT_VERSION, Store, StoreError, decode_manifest, decode_record,
                            encode_manifest, format_refusal)
 
 # Credential providers of botocore that ask the network (an EC2/ECS metadata address).

@@ -24,9 +24,9 @@ import logging
 import threading
 import time
 
-from storage.cache import UNSHARED
-from storage.remote import NameConflict, RemoteUnavailable
-from storage.store import StoreError
+from snapkernel.storage.cache import UNSHARED
+from snapkernel.storage.remote import NameConflict, RemoteUnavailable
+from snapkernel.storage.store import StoreError
 
 log = logging.getLogger("snapshot_kernel")
 # A name another server keeps rebinding: publishing it is retried at the next round.

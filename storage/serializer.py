@@ -13,6 +13,7 @@ still writes through to `a` after a restore.
 import contextlib
 import hashlib
 import importlib
+import importlib.util
 import inspect
 import io
 import pickle
@@ -22,7 +23,7 @@ import types
 import cloudpickle
 from cloudpickle import cloudpickle as _cp
 
-from storage import canonical
+from snapkernel.storage import canonical
 
 PROTOCOL = 5
 # Bytes an Arrow-backed array's buffers may hold beyond what it uses (see _arrow_reduce).
@@ -525,14 +526,49 @@ def _frombuffer(buffer, dtype, shape, order):
     return numpy.ndarray(shape, dtype=dtype, buffer=buffer, order="F" if order == "F" else "C")
 
 
+# Our top-level packages before they moved into `snapkernel` (0.3.0): a store made then
+# holds pickles that name our helpers by those names (`storage.serializer._make_function`).
+_FORMER_TOPS = ("kernel.", "storage.", "api.")
+
+
+def _renamed(module):
+    """The module a pickle's `module` names now: one of ours by its former name becomes
+    `snapkernel.` + that name (only submodules we have: a notebook's own `storage.py`
+    has no `storage.serializer`); any other module is itself."""
+    if module.startswith(_FORMER_TOPS) and importlib.util.find_spec(
+            "snapkernel." + module.partition(".")[0]) is not None:
+        try:
+            if importlib.util.find_spec("snapkernel." + module) is not None:
+                return "snapkernel." + module
+        except ImportError:
+            pass
+    return module
+
+
 class _Unpickler(pickle.Unpickler):
     """The C unpickler, rebuilding numpy arrays with `_frombuffer`."""
 
     def find_class(self, module, name):
-        """Swap numpy's buffer reconstructor for ours."""
+        """Swap numpy's buffer reconstructor for ours; find our helpers by former names."""
         if name == "_frombuffer" and module in ("numpy._core.numeric", "numpy.core.numeric"):
             return _frombuffer
-        return super().find_class(module, name)
+        return super().find_class(_renamed(module), name)
+
+
+def loads_plain(data):
+    """Unpickle bytes that hold no out-of-band buffers (a state's context)."""
+    return _Unpickler(io.BytesIO(data)).load()
+
+
+def _dill_loads(payload):
+    """dill.loads, finding our helpers by their former names too."""
+    import dill
+
+    class Unpickler(dill.Unpickler):
+        def find_class(self, module, name):
+            return super().find_class(_renamed(module), name)
+
+    return Unpickler(io.BytesIO(payload)).load()
 
 
 def loads(payload, buffers, pickler):
@@ -540,8 +576,7 @@ def loads(payload, buffers, pickler):
     _TRIAL_COUNTERS as they were: the next model a cell makes is numbered as live."""
     with counters_kept():
         if pickler == "dill":
-            import dill
-            return dill.loads(payload)
+            return _dill_loads(payload)
         try:
             values = _Unpickler(io.BytesIO(payload), buffers=buffers).load()
         except BaseException:

@@ -13,9 +13,9 @@ import sys
 import types
 import uuid
 
-from storage import pages, serializer, threads
-from storage.groups import alias_groups
-from storage.store import StoreCorrupt
+from snapkernel.storage import pages, serializer, threads
+from snapkernel.storage.groups import alias_groups
+from snapkernel.storage.store import StoreCorrupt
 
 PYTHON = f"{sys.implementation.name}-{sys.version_info[0]}.{sys.version_info[1]}"
 # Chunks of a buffer being restored that the disk is asked for ahead of the one read.

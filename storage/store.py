@@ -29,8 +29,8 @@ import lmdb
 import xxhash
 import zstandard
 
-from storage import lmdbfile, pages, shuffle, threads
-from storage.prefill import Prefill
+from snapkernel.storage import lmdbfile, pages, shuffle, threads
+from snapkernel.storage.prefill import Prefill
 
 # Format 2 added blob checksums, format 3 byte-shuffled blobs; older stores are read
 # and upgraded in place (their blobs stay as they are; format 1's are verified by their

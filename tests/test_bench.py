@@ -13,7 +13,7 @@ from nbclient.exceptions import CellExecutionError
 
 from bench import floors, notebook, peers, profile, report
 from conftest import ROOT, Gate, asleep, in_thread, wait_for
-from kernel import trace
+from snapkernel.kernel import trace
 
 
 def test_merge_keeps_other_sections():

@@ -16,7 +16,7 @@ import nbformat
 import pytest
 
 from conftest import ROOT
-from storage.store import Store
+from snapkernel.storage.store import Store
 
 # Sets every item a state keeps, the way a notebook would.
 SETUP = textwrap.dedent("""\

@@ -20,8 +20,8 @@ import pytest
 
 from conftest import ROOT
 
-from kernel import __version__
-from kernel.notebook import receipt as receipt_mod
+from snapkernel.kernel import __version__
+from snapkernel.kernel.notebook import receipt as receipt_mod
 
 OK = "assert 2 + 2 == 4"
 

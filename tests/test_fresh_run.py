@@ -12,10 +12,10 @@ import json
 import nbformat
 import pytest
 
-from kernel import config
-from kernel.notebook import command, environment, fresh_file, receipt
-from kernel.protocol import FreshOptions
-from storage.store import Store
+from snapkernel.kernel import config
+from snapkernel.kernel.notebook import command, environment, fresh_file, receipt
+from snapkernel.kernel.protocol import FreshOptions
+from snapkernel.storage.store import Store
 
 OK = "assert 2 + 2 == 4"
 

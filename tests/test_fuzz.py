@@ -19,7 +19,7 @@ from hypothesis import HealthCheck, Phase, given, settings
 from schemathesis.checks import content_type_conformance, response_schema_conformance
 from schemathesis.core.failures import FailureGroup
 
-import main
+from snapkernel import main
 from conftest import TOKEN
 
 # Examples per operation and mode; SNAPK_FUZZ_EXAMPLES=200 for a deeper run.

@@ -15,8 +15,8 @@ import lmdb
 import pytest
 
 from conftest import Server, run_script
-from kernel import config
-from storage.store import Store
+from snapkernel.kernel import config
+from snapkernel.storage.store import Store
 
 SHARED_SUM = sum(range(50000))
 

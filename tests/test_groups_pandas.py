@@ -83,7 +83,7 @@ def test_a_frames_alias_walk_does_not_grow_with_the_views_taken_of_it():
     import numpy as np
     import pandas as pd
 
-    from storage import groups
+    from snapkernel.storage import groups
 
     data = np.arange(10.0)
     df = pd.DataFrame({"a": data, "b": np.arange(10)}, copy=False)

@@ -16,8 +16,8 @@ import pytest
 import zstandard
 
 from conftest import ROOT, run_script
-from storage import lmdbfile
-from storage.store import Store
+from snapkernel.storage import lmdbfile
+from snapkernel.storage.store import Store
 
 # 2.4 MB arrays in 1 MiB chunks: random digits as bytes (stored zstd-compressed),
 # floats that shrink (halves of small integers: stored byte-shuffled, then

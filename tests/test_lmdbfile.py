@@ -22,9 +22,9 @@ import numpy as np
 import pytest
 
 from conftest import run_script
-from kernel import config
-from storage import lmdbfile, pages, snapshot
-from storage.store import Store, StoreError
+from snapkernel.kernel import config
+from snapkernel.storage import lmdbfile, pages, snapshot
+from snapkernel.storage.store import Store, StoreError
 
 
 def is_short(data_dir):

@@ -7,9 +7,9 @@ import sys
 import nbformat
 
 from conftest import ROOT
-from kernel import config
-from storage.notebooks import NotebookStore
-from storage.store import Store
+from snapkernel.kernel import config
+from snapkernel.storage.notebooks import NotebookStore
+from snapkernel.storage.store import Store
 
 
 def run_cli(*args):

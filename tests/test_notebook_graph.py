@@ -2,7 +2,7 @@
 
 import pytest
 
-from kernel.notebook import analysis, graph, keys, planner
+from snapkernel.kernel.notebook import analysis, graph, keys, planner
 
 
 def names(source):

@@ -420,8 +420,8 @@ def test_prints_from_threads_of_the_cell_are_all_captured_once(server, pad):
 
 _STREAMING = r"""
 import json, os, signal, sys
-from kernel.config import load
-from kernel.worker import execution
+from snapkernel.kernel.config import load
+from snapkernel.kernel.worker import execution
 
 items = []
 

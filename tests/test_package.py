@@ -19,7 +19,7 @@ import pytest
 
 import harness
 from conftest import ROOT
-from kernel import __version__
+from snapkernel.kernel import __version__
 
 pytestmark = pytest.mark.slow  # a build, a new virtual environment and an install
 
@@ -31,11 +31,13 @@ _DROPPED = ("PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV", "SNAPSHOT_KERNEL_TOKEN",
 
 # A notebook folder's own modules named like ours: the installed command, its zygote and
 # the Jupyter kernel and server must import the package, never these (python -P).
-_DECOYS = {"kernel/__init__.py": "raise ImportError('the notebook folder kernel/ was imported')\n",
-           "storage/__init__.py": "raise ImportError('the notebook folder storage/ was imported')\n",
-           "main.py": "raise ImportError('the notebook folder main.py was imported')\n",
-           # ...while a cell imports the modules beside its notebook, as in Jupyter.
-           "helper.py": "VALUE = 7\n"}
+_DECOYS = {f"{name}.py": f"raise ImportError('the notebook folder {name}.py was imported')\n"
+           for name in ("main", "api", "config", "protocol", "server", "worker", "launch")}
+_DECOYS.update({f"{name}/__init__.py":
+                f"raise ImportError('the notebook folder {name}/ was imported')\n"
+                for name in ("kernel", "storage")})
+# ...while a cell imports the modules beside its notebook, as in Jupyter.
+_DECOYS["helper.py"] = "VALUE = 7\n"
 
 
 class Installed:
@@ -94,17 +96,17 @@ def decoy_folder(path):
 
 
 def test_the_wheel_holds_the_package_and_its_defaults(installed):
-    """What the wheel installs: our top-level modules, kernel/config.toml (every comment
-    of the checkout's), the console command; nothing of the checkout is used."""
+    """What the wheel installs: the one package `snapkernel` with config.toml (every
+    comment of the checkout's), the console command; nothing of the checkout is used."""
     site = subprocess.run([str(installed.bin / "python"), "-P", "-c",
-                           "import kernel, sysconfig; print(kernel.__file__); "
-                           "print(kernel.__version__); print(sysconfig.get_path('purelib'))"],
+                           "import snapkernel.kernel as k, sysconfig; print(k.__file__); "
+                           "print(k.__version__); print(sysconfig.get_path('purelib'))"],
                           cwd=installed.root, env=installed.env, capture_output=True,
                           text=True, check=True).stdout.split("\n")
-    assert site[0] == os.path.join(site[2], "kernel", "__init__.py")
+    assert site[0] == os.path.join(site[2], "snapkernel", "kernel", "__init__.py")
     assert site[1] == __version__
-    shipped = os.path.join(site[2], "kernel", "config.toml")
-    with open(shipped) as f, open(os.path.join(ROOT, "kernel", "config.toml")) as g:
+    shipped = os.path.join(site[2], "snapkernel", "config.toml")
+    with open(shipped) as f, open(os.path.join(ROOT, "config.toml")) as g:
         assert f.read() == g.read()
     top = json.loads(subprocess.run(
         [str(installed.bin / "python"), "-c",
@@ -112,8 +114,8 @@ def test_the_wheel_holds_the_package_and_its_defaults(installed):
          "print(json.dumps([d.read_text('top_level.txt').split(), "
          "[e.value for e in d.entry_points if e.name == 'snapshot-kernel']]))"],
         env=installed.env, capture_output=True, text=True, check=True).stdout)
-    assert sorted(top[0]) == ["api", "kernel", "main", "storage"]
-    assert top[1] == ["main:main"]
+    assert top[0] == ["snapkernel"]
+    assert top[1] == ["snapkernel.main:main"]
 
 
 def test_the_command_serves_runs_and_installs_the_kernelspec(installed, tmp_path):
@@ -170,29 +172,6 @@ def test_the_command_serves_runs_and_installs_the_kernelspec(installed, tmp_path
         assert outputs == [f"42 {folder}\n"]
     finally:
         stop_kernel_server(tmp_path / "jupyter")
-
-
-def test_a_checkout_runs_its_own_code_beside_an_installed_copy(installed, tmp_path):
-    """`python main.py` of the checkout, by an interpreter that has the wheel installed:
-    its workers run the checkout's code too (its folder on their PYTHONPATH, which is
-    needed only then), not the installed copy."""
-    empty = tmp_path / "empty"
-    empty.mkdir()
-    port = harness.free_port()
-    server = harness.ServerProcess(
-        [str(installed.bin / "python"), os.path.join(ROOT, "main.py"), "--bind",
-         f"127.0.0.1:{port}", "--token", "tok", "--data-dir", str(tmp_path / "store")],
-        port, str(tmp_path / "server.log"), cwd=str(empty), env=installed.env, token="tok")
-    try:
-        answer = server.call("POST", "/execute", {
-            "code": "import os, kernel\nprint(kernel.__file__)\n"
-                    "print(os.environ['PYTHONPATH'].split(os.pathsep)[0])",
-            "exec_id": "c1", "state_name": "initial"})
-    finally:
-        server.stop()
-    assert answer["error"] is None, answer["error"]
-    assert "".join(o["text"] for o in answer["output"]) == \
-        f"{os.path.join(ROOT, 'kernel', '__init__.py')}\n{ROOT}\n"
 
 
 # Run in the installed environment: start the kernel of kernelspec "snapshot" in a

@@ -18,10 +18,10 @@ import lmdb
 import numpy as np
 
 from conftest import ROOT, run_script
-from kernel import config
-from storage import lmdbfile, snapshot
-from storage.prefill import Prefill
-from storage.store import Store
+from snapkernel.kernel import config
+from snapkernel.storage import lmdbfile, snapshot
+from snapkernel.storage.prefill import Prefill
+from snapkernel.storage.store import Store
 
 MB = 2 ** 20
 
@@ -71,9 +71,9 @@ def test_a_large_save_writes_zeros_ahead_and_reads_back_verified(tmp_path):
 _KILLED_WRITER = textwrap.dedent("""
     import sys
     import numpy as np
-    from kernel import config
-    from storage import snapshot
-    from storage.store import Store
+    from snapkernel.kernel import config
+    from snapkernel.storage import snapshot
+    from snapkernel.storage.store import Store
     settings = config.load()
     store = Store(sys.argv[1], settings)
     manifest = snapshot.new_manifest("doomed")

@@ -11,7 +11,7 @@ import pytest
 
 from conftest import asleep, in_thread, wait_for, warm_zygote
 import harness
-from kernel import trace
+from snapkernel.kernel import trace
 
 
 def run_async(server, body):
@@ -443,8 +443,8 @@ def test_a_stop_signal_during_a_connections_hand_over_leaves_once_it_is_queued()
     to cheroot's threads (it could lose the wakeup of a thread's stop request, and the
     stop then waited 10 s): one that comes meanwhile leaves once the connection is
     queued; one that comes at any other time leaves at once."""
-    from api.routes import app
-    from api.server import DeferredServer
+    from snapkernel.api.routes import app
+    from snapkernel.api.server import DeferredServer
 
     server = DeferredServer(("127.0.0.1", 0), app)
     queued = []

@@ -10,7 +10,7 @@ import requests
 
 from conftest import Server, in_thread, wait_for, warm_zygote
 import harness
-from kernel import trace
+from snapkernel.kernel import trace
 
 
 def test_a_process_forked_by_a_cell_never_answers_or_stores(server, gate):

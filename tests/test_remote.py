@@ -11,10 +11,10 @@ import numpy as np
 import pytest
 
 from conftest import ROOT, Server, free_port, in_thread, wait_for
-from kernel import config
-from storage import lmdbfile
-from storage.cache import CachedStore
-from storage.store import (FORMAT_VERSION, Store, decode_manifest, decode_record,
+from snapkernel.kernel import config
+from snapkernel.storage import lmdbfile
+from snapkernel.storage.cache import CachedStore
+from snapkernel.storage.store import (FORMAT_VERSION, Store, decode_manifest, decode_record,
                            referenced_blobs)
 
 BIG_LEN = 500_000  # 4 MB of int64 below 2 ** 40: 4 chunks, each over 256 KiB zstd'ed

@@ -10,7 +10,7 @@ import psutil
 import pytest
 import requests
 
-from api import routes
+from snapkernel.api import routes
 from conftest import ROOT, Server, free_port, wait_for
 
 SECRET = "s3cret-token-that-must-never-be-logged"

@@ -12,8 +12,8 @@ import pytest
 import requests
 
 from conftest import ROOT, in_thread, wait_for
-from kernel import config
-from storage.store import Store
+from snapkernel.kernel import config
+from snapkernel.storage.store import Store
 
 
 def store_bytes(data_dir):
@@ -332,7 +332,7 @@ def test_a_chunk_stored_in_this_process_is_vouched_for_by_its_digest():
 
     import numpy as np
 
-    from storage import pages
+    from snapkernel.storage import pages
     array = np.zeros(2 ** 18)  # 2 MiB: two 1 MiB chunks
     view = memoryview(array).cast("B")
     pieces = [view[:2 ** 20], view[2 ** 20:]]
@@ -351,7 +351,7 @@ def test_a_restored_buffer_is_vouched_for_by_its_digests(tmp_path):
     by those digests, and a chunk written since is hashed again."""
     import numpy as np
 
-    from storage import pages, snapshot
+    from snapkernel.storage import pages, snapshot
     settings = config.load()
     store = Store(str(tmp_path / "s"), settings)
     value = np.random.default_rng(3).random(3 * 2 ** 17 + 1024)  # 3 MiB and 8 KiB: 4 chunks
@@ -408,7 +408,7 @@ def test_a_frame_read_after_a_restart_is_restored_whole_and_saved_again_for_noth
 def test_holders_wait_while_a_child_loads_and_not_once_it_is_killed():
     """A cell's child that loads values holds the zygote's `child-loads` ChildLock
     (holders do not load meanwhile); a child killed while loading lets them go on."""
-    from kernel.worker.holder import ChildLock
+    from snapkernel.kernel.worker.holder import ChildLock
     loads = ChildLock("child-loads")
     assert not loads.now()
     ready, tell = os.pipe()
@@ -533,7 +533,7 @@ def test_a_chunk_made_again_with_the_same_bytes_takes_the_key_its_digest_is_know
 
     import numpy as np
 
-    from storage import pages, serializer, snapshot
+    from snapkernel.storage import pages, serializer, snapshot
     # 2 MiB (two 1 MiB chunks) of bytes no other test stores: the digests stay known.
     array = np.random.default_rng(20261204).random(2 ** 18)
     view = memoryview(array).cast("B")
@@ -555,9 +555,9 @@ def test_a_chunk_named_by_its_digest_is_written_again_if_its_blob_is_gone(tmp_pa
     the blob, a value made again with those bytes stores it again and loads back."""
     import numpy as np
 
-    from kernel import config
-    from storage import snapshot
-    from storage.store import Store
+    from snapkernel.kernel import config
+    from snapkernel.storage import snapshot
+    from snapkernel.storage.store import Store
     settings = config.load()
     store = Store(str(tmp_path / "store"), settings)
     a = np.random.default_rng(4).random(2 ** 18)  # two 1 MiB chunks
@@ -581,9 +581,9 @@ def test_a_string_column_made_again_does_not_keep_its_old_copy(tmp_path):
     import pandas as pd
     import pyarrow as pa
 
-    from kernel import config
-    from storage import snapshot
-    from storage.store import Store
+    from snapkernel.kernel import config
+    from snapkernel.storage import snapshot
+    from snapkernel.storage.store import Store
     settings = config.load()
     store = Store(str(tmp_path / "store"), settings)
     words = [f"word{i % 1000}-{i}" for i in range(1_000_000)]
@@ -610,9 +610,9 @@ def test_a_string_column_replaced_by_other_strings_is_let_go(tmp_path):
     import pandas as pd
     import pyarrow as pa
 
-    from kernel import config
-    from storage import snapshot
-    from storage.store import Store
+    from snapkernel.kernel import config
+    from snapkernel.storage import snapshot
+    from snapkernel.storage.store import Store
     settings = config.load()
     store = Store(str(tmp_path / "store"), settings)
     before = pa.total_allocated_bytes()
@@ -692,9 +692,9 @@ def test_dill_fallback_and_async_durability(make_server, tmp_path):
 
 FORKED_WRITERS = r"""
 import hashlib, os, sys
-from kernel import config
-from storage.store import Store
-from storage.snapshot import new_manifest
+from snapkernel.kernel import config
+from snapkernel.storage.store import Store
+from snapkernel.storage.snapshot import new_manifest
 
 path = sys.argv[1]
 

@@ -11,9 +11,9 @@ import pytest
 import zstandard
 
 from conftest import wait_for
-from kernel import config, trace
-from storage import serializer
-from storage.store import Store, StoreCorrupt
+from snapkernel.kernel import config, trace
+from snapkernel.storage import serializer
+from snapkernel.storage.store import Store, StoreCorrupt
 from test_store import store_bytes
 
 ROWS = 300_000

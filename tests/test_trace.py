@@ -1,6 +1,6 @@
 """The trace option: every process stamps each phase of a request into one file."""
 
-from kernel import trace
+from snapkernel.kernel import trace
 
 
 def test_every_phase_of_an_execution_is_stamped_in_order(make_server, tmp_path):

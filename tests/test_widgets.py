@@ -10,7 +10,7 @@ import jsonschema
 import pytest
 import requests
 
-from api.openapi import document
+from snapkernel.api.openapi import document
 from conftest import wait_for
 from test_api import error_of
 from test_jupyter import Kernel, data_dir, kernel, lab, server_info, stop_server  # noqa: F401 (fixtures)
@@ -117,7 +117,7 @@ def test_widgets_through_the_api(make_server, tmp_path):
     """A streamed /execute carries a widget's comm messages as lines of the documented
     schema; a handled front-end message (protocol.comm_cell) makes a state whose widget
     has the value, kept over a restart; a widget of a cell's class is volatile, by name."""
-    from kernel.protocol import comm_cell
+    from snapkernel.kernel.protocol import comm_cell
     from test_stream import stream
     srv = make_server(tmp_path / "data")
     answers = document()["paths"]["/execute"]["post"]["responses"]["200"]["content"]
@@ -161,7 +161,7 @@ def test_widgets_through_the_api(make_server, tmp_path):
 def test_a_moved_widget_is_described_as_it_is(server):
     """A slider moved from the page, or by a cell, pickles as before (its value is in the
     state's context), yet the state describes it with its new value."""
-    from kernel.protocol import comm_cell
+    from snapkernel.kernel.protocol import comm_cell
     server.execute(SLIDER, new="d1")
     comm_id = server.value("d1", "slider.model_id").strip("'")
     server.execute(comm_cell("comm_msg", {"comm_id": comm_id, "data": {

@@ -27,8 +27,8 @@ import time
 
 from jupyter_core.paths import jupyter_data_dir
 
-from api.client import Client, ServerError
-from kernel import launch
+from snapkernel.api.client import Client, ServerError
+from snapkernel.kernel import launch
 
 KEEPER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "server_keeper.py")
 # Variables the Jupyter server gives one kernel: not for the cells of every kernel
@@ -114,7 +114,7 @@ class Managed:
         token = secrets.token_urlsafe(32)
         # The installed command line (main.py's main, as `snapshot-kernel` runs it), with
         # -P: it starts in the kernel's folder, whose own main.py must not be imported.
-        command = launch.command("from main import main; main()",
+        command = launch.command("from snapkernel.main import main; main()",
                                  "--bind", f"127.0.0.1:{port}",
                                  "--data-dir", os.path.join(self.folder, "store"))
         if self.config_file:

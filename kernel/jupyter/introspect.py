@@ -13,7 +13,7 @@ jedi's import would cost every completion about a second in a fresh child.
 import inspect
 import uuid
 
-from api.client import ServerError
+from snapkernel.api.client import ServerError
 
 TYPES_KEY = "_jupyter_types_experimental"  # the key ipykernel and JupyterLab use
 

@@ -19,12 +19,12 @@ import uuid
 from ipykernel.kernelbase import Kernel
 from traitlets import Unicode
 
-from kernel import __version__, protocol
-from kernel import config as config_mod
-from kernel.jupyter import introspect, iopub, magics
-from kernel.jupyter.backend import backend
-from api.client import ServerError
-from kernel.jupyter.sessions import Sessions
+from snapkernel.kernel import __version__, protocol
+from snapkernel.kernel import config as config_mod
+from snapkernel.kernel.jupyter import introspect, iopub, magics
+from snapkernel.kernel.jupyter.backend import backend
+from snapkernel.api.client import ServerError
+from snapkernel.kernel.jupyter.sessions import Sessions
 
 
 class SnapshotKernel(Kernel):

@@ -16,12 +16,12 @@ import shutil
 import sys
 import tempfile
 
-from kernel import launch
+from snapkernel.kernel import launch
 
 DEFAULT_NAME = "snapshot"
 DISPLAY_NAME = "Python (snapshot)"
 _NAME = re.compile(r"^[a-zA-Z0-9._-]+$")  # what jupyter_client accepts
-_LAUNCH = "from kernel.jupyter.kernel import main; main()"
+_LAUNCH = "from snapkernel.kernel.jupyter.kernel import main; main()"
 _LAUNCH_FROM = "import sys; sys.path.insert(0, sys.argv.pop(1)); " + _LAUNCH
 
 
@@ -62,7 +62,7 @@ def install(name, user=False, prefix=None, config=None):
         return 2
     config_file = None
     if config:
-        from kernel import config as config_mod
+        from snapkernel.kernel import config as config_mod
         config_file = os.path.abspath(config)
         try:
             config_mod.load(config_file)

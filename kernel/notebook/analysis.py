@@ -33,7 +33,7 @@ import dataclasses
 import keyword
 import re
 
-from kernel.worker.reads import DYNAMIC_ATTRS, DYNAMIC_NAMES
+from snapkernel.kernel.worker.reads import DYNAMIC_ATTRS, DYNAMIC_NAMES
 
 # Names found in builtins: a read of one is a read of a notebook name only when a
 # cell defines it (graph.py decides). `display` is ours, installed in builtins.

@@ -17,8 +17,8 @@ import time
 
 from tqdm import tqdm
 
-from kernel.errors import InvalidRequest
-from kernel.protocol import CellStatus, NotebookCell, NotebookRequest, NotebookRun
+from snapkernel.kernel.errors import InvalidRequest
+from snapkernel.kernel.protocol import CellStatus, NotebookCell, NotebookRequest, NotebookRun
 
 # Exit statuses of `main.py run`.
 EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT = 0, 1, 2
@@ -31,7 +31,7 @@ class Refused(Exception):
 
 def run(args, settings):
     """Run the notebook as the parsed command line `args` says; the exit status."""
-    from kernel.notebook import ipynb  # nbformat: only for .ipynb files
+    from snapkernel.kernel.notebook import ipynb  # nbformat: only for .ipynb files
     if args.fresh is not None:
         return _run_fresh(args, settings)
     try:
@@ -72,9 +72,9 @@ def _by_index(record, request):
 def _here(args, settings, request, progress):
     """Run the notebook with a registry in this process, on the store (which must be
     free); the run's NotebookRun."""
-    from kernel.notebook.incremental import NotebookRunner
-    from kernel.server.registry import Registry
-    from storage.store import StoreError, StoreHeld, claim_store
+    from snapkernel.kernel.notebook.incremental import NotebookRunner
+    from snapkernel.kernel.server.registry import Registry
+    from snapkernel.storage.store import StoreError, StoreHeld, claim_store
     data_dir = settings["server.data_dir"]
     try:
         lock = claim_store(data_dir, f"`{PROG} {args.notebook}` (pid {os.getpid()})")
@@ -103,7 +103,7 @@ def _here(args, settings, request, progress):
 def _through_server(args, request, progress):
     """Run the notebook through the server at --server (POST /notebooks/run, its
     cells' progress streamed); the run's NotebookRun."""
-    from api.client import Client, ServerError
+    from snapkernel.api.client import Client, ServerError
     try:
         client = Client(args.server, args.token, timeout=60)
     except ValueError as exc:
@@ -134,7 +134,7 @@ def _through_server(args, request, progress):
 
 def _run_fresh(args, settings):
     """`run --fresh`: the run without a server or store; the exit status."""
-    from kernel.notebook import fresh, fresh_file
+    from snapkernel.kernel.notebook import fresh, fresh_file
     progress = Progress(None)
     cancel = threading.Event()
     try:
@@ -160,7 +160,7 @@ def _run_fresh(args, settings):
 
 def fresh_exit_status(run):
     """The exit status of a finished fresh run (kernel.notebook.fresh.FreshRun)."""
-    from kernel.notebook.fresh_file import REFUSALS
+    from snapkernel.kernel.notebook.fresh_file import REFUSALS
     if run.success:
         return EXIT_OK
     return EXIT_BAD_INPUT if run.category in REFUSALS else EXIT_FAILED

@@ -20,8 +20,8 @@ import re
 import subprocess
 import sys
 
-from kernel import launch
-from kernel import files
+from snapkernel.kernel import launch
+from snapkernel.kernel import files
 
 # Parts of a variable name that mark it as a secret (compared without case).
 REFUSED_PARTS = ("SECRET", "TOKEN", "PASSWORD", "KEY", "CREDENTIAL", "PROXY")

@@ -40,13 +40,13 @@ import tempfile
 import threading
 import time
 
-from kernel import protocol
-from kernel.errors import InvalidRequest
-from kernel.notebook import environment, processes, receipt
-from kernel.protocol import SKIP_TAGS, CellStatus, ExecuteAnswer, NotebookRun
-from kernel.server.registry import Registry
-from kernel.worker.process import worker_env
-from storage.store import StoreError
+from snapkernel.kernel import protocol
+from snapkernel.kernel.errors import InvalidRequest
+from snapkernel.kernel.notebook import environment, processes, receipt
+from snapkernel.kernel.protocol import SKIP_TAGS, CellStatus, ExecuteAnswer, NotebookRun
+from snapkernel.kernel.server.registry import Registry
+from snapkernel.kernel.worker.process import worker_env
+from snapkernel.storage.store import StoreError
 
 MAX_CLEANUP_S = 30
 _SHA256 = re.compile(r"[0-9a-f]{64}\Z")
@@ -243,7 +243,7 @@ class FreshRun:
                                          f"{' or '.join(SKIP_TAGS)}: nothing would run")
         # Syntax is checked for every cell before any runs: a run that cannot succeed
         # has no side effects.
-        from kernel.worker.execution import compile_cell
+        from snapkernel.kernel.worker.execution import compile_cell
         for cell in self.cells:
             if cell.status != CellStatus.NOT_RUN:
                 continue
@@ -282,7 +282,7 @@ class FreshRun:
                           f"not the expected {expected}")
         self._check_cells()
         if self.adopt_orphans:
-            from kernel.worker.process import PR_SET_CHILD_SUBREAPER, prctl
+            from snapkernel.kernel.worker.process import PR_SET_CHILD_SUBREAPER, prctl
             prctl(PR_SET_CHILD_SUBREAPER, 1)
         data_dir = self.keep_states or os.path.join(workdir, "store")
         overrides = {

@@ -14,9 +14,9 @@ outcome, unless its own path is the problem.
 import hashlib
 import os
 
-from kernel import files
-from kernel.notebook import ipynb, receipt
-from kernel.notebook.fresh import FreshRun, Limits, Refused
+from snapkernel.kernel import files
+from snapkernel.kernel.notebook import ipynb, receipt
+from snapkernel.kernel.notebook.fresh import FreshRun, Limits, Refused
 
 # Categories that say the command was asked for something it will not do (exit status 2).
 REFUSALS = ("BAD_INPUT", "OUTPUT_EXISTS")

@@ -30,8 +30,8 @@ import builtins
 import dataclasses
 import heapq
 
-from kernel.notebook.analysis import BUILTINS
-from kernel.protocol import ORDERS, error
+from snapkernel.kernel.notebook.analysis import BUILTINS
+from snapkernel.kernel.protocol import ORDERS, error
 
 
 @dataclasses.dataclass

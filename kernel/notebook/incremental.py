@@ -30,12 +30,12 @@ import threading
 import time
 import uuid
 
-from kernel.errors import Conflict, InvalidRequest, KernelError, NotebookNotFound
-from kernel.notebook import analysis, graph as graph_mod, keys as keys_mod, planner
-from kernel.server.registry import check_folder
-from kernel.protocol import ORDERS, WITH_RESULT, CellStatus, NotebookRun, error, now
-from storage.notebooks import NotebookStore
-from storage.store import StoreError, StoreFull
+from snapkernel.kernel.errors import Conflict, InvalidRequest, KernelError, NotebookNotFound
+from snapkernel.kernel.notebook import analysis, graph as graph_mod, keys as keys_mod, planner
+from snapkernel.kernel.server.registry import check_folder
+from snapkernel.kernel.protocol import ORDERS, WITH_RESULT, CellStatus, NotebookRun, error, now
+from snapkernel.storage.notebooks import NotebookStore
+from snapkernel.storage.store import StoreError, StoreFull
 
 STATE_PREFIX = "nb-"
 

@@ -12,9 +12,9 @@ import warnings
 
 import nbformat
 
-from kernel import files
-from kernel.notebook.graph import is_parse_error
-from kernel.protocol import CellStatus, NotebookCell
+from snapkernel.kernel import files
+from snapkernel.kernel.notebook.graph import is_parse_error
+from snapkernel.kernel.protocol import CellStatus, NotebookCell
 
 
 class NotebookFileError(Exception):

@@ -21,8 +21,8 @@ that hold the right versions (`compose`).
 
 import dataclasses
 
-from kernel.notebook import keys as keys_mod
-from storage import snapshot
+from snapkernel.kernel.notebook import keys as keys_mod
+from snapkernel.storage import snapshot
 
 # A provenance entry for a name whose origin is not known: it matches no key.
 UNKNOWN = "?"

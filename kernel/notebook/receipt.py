@@ -12,9 +12,9 @@ import json
 
 import fastjsonschema
 
-from kernel import __version__
-from kernel import files
-from kernel.protocol import FRESH_STATUSES, CellStatus
+from snapkernel.kernel import __version__
+from snapkernel.kernel import files
+from snapkernel.kernel.protocol import FRESH_STATUSES, CellStatus
 
 FORMAT = 1
 

@@ -15,9 +15,9 @@ import time
 
 import psutil
 
-from kernel import protocol, trace
-from kernel.errors import Conflict
-from kernel.server.pool import WorkerError
+from snapkernel.kernel import protocol, trace
+from snapkernel.kernel.errors import Conflict
+from snapkernel.kernel.server.pool import WorkerError
 
 
 class CellRun:

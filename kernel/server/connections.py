@@ -23,8 +23,8 @@ import threading
 import time
 import weakref
 
-from kernel import protocol
-from kernel.channel import Channel, ChannelClosed
+from snapkernel.kernel import protocol
+from snapkernel.kernel.channel import Channel, ChannelClosed
 
 log = logging.getLogger("snapshot_kernel")
 

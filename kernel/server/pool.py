@@ -17,9 +17,9 @@ import subprocess
 import threading
 import time
 
-from kernel import launch, protocol, trace
-from kernel.server.connections import Connections
-from kernel.worker.process import worker_env
+from snapkernel.kernel import launch, protocol, trace
+from snapkernel.kernel.server.connections import Connections
+from snapkernel.kernel.worker.process import worker_env
 
 log = logging.getLogger("snapshot_kernel")
 PAGE_BYTES = os.sysconf("SC_PAGE_SIZE")
@@ -181,7 +181,7 @@ class Pool:
         # Started with -P (our packages are imported before the working directory is on
         # sys.path); then the working directory goes first on sys.path as `python -c`
         # and ipykernel put it, so cells import the modules beside their notebook.
-        code = ("import json, sys\nfrom kernel.worker.zygote import zygote_main\n"
+        code = ("import json, sys\nfrom snapkernel.kernel.worker.zygote import zygote_main\n"
                 "sys.path.insert(0, '')\n"
                 "zygote_main(sys.argv[1], json.loads(sys.argv[2]))")
         # Without a cwd of its own (fresh runs give one) it works in the server's.

@@ -11,17 +11,17 @@ import os
 import threading
 import uuid
 
-from kernel import protocol, trace
-from kernel.errors import Conflict, InvalidRequest, RequestFailed, ServerStopping, StateNotFound
-from kernel.protocol import ExecuteAnswer
-from kernel.server.pool import Pool
-from kernel.files import sha256_file
-from kernel.server.cell_runs import CellRuns
-from storage import snapshot
-from storage.cache import open_store
-from storage.remote_names import RemoteNames
-from storage.remote import NameConflict, RemoteUnavailable
-from storage.store import BlobMissing, NewerFormat, Store, StoreCorrupt, StoreFull
+from snapkernel.kernel import protocol, trace
+from snapkernel.kernel.errors import Conflict, InvalidRequest, RequestFailed, ServerStopping, StateNotFound
+from snapkernel.kernel.protocol import ExecuteAnswer
+from snapkernel.kernel.server.pool import Pool
+from snapkernel.kernel.files import sha256_file
+from snapkernel.kernel.server.cell_runs import CellRuns
+from snapkernel.storage import snapshot
+from snapkernel.storage.cache import open_store
+from snapkernel.storage.remote_names import RemoteNames
+from snapkernel.storage.remote import NameConflict, RemoteUnavailable
+from snapkernel.storage.store import BlobMissing, NewerFormat, Store, StoreCorrupt, StoreFull
 
 log = logging.getLogger("snapshot_kernel")
 

@@ -16,14 +16,14 @@ import sys
 import traceback
 import types
 
-from kernel import protocol, trace
-from kernel.channel import ChannelClosed
-from kernel.protocol import ExecuteAnswer
-from kernel.worker import context, execution, limits, reads, replay
-from kernel.worker.capture import comms
-from kernel.worker.process import fork_worker, threads_lost_on_fork, user_names
-from storage import serializer, snapshot
-from storage.store import StoreError
+from snapkernel.kernel import protocol, trace
+from snapkernel.kernel.channel import ChannelClosed
+from snapkernel.kernel.protocol import ExecuteAnswer
+from snapkernel.kernel.worker import context, execution, limits, reads, replay
+from snapkernel.kernel.worker.capture import comms
+from snapkernel.kernel.worker.process import fork_worker, threads_lost_on_fork, user_names
+from snapkernel.storage import serializer, snapshot
+from snapkernel.storage.store import StoreError
 
 # After its answer, the child that made a state forks the state's holder after this long
 # or when the next request comes, whichever is first (see CellChild.run); a next cell

@@ -41,11 +41,11 @@ import sys
 import types
 import warnings
 
-from kernel.files import sha256_file
-from kernel.worker import widgets
-from kernel.worker.capture import figures, libraries, shell, streams
-from storage import serializer
-from storage.store import StoreError
+from snapkernel.kernel.files import sha256_file
+from snapkernel.kernel.worker import widgets
+from snapkernel.kernel.worker.capture import figures, libraries, shell, streams
+from snapkernel.storage import serializer
+from snapkernel.storage.store import StoreError
 
 # What the zygote had before any cell: the environment and sys.path every worker
 # starts from (set by `remember_base` in the zygote, inherited by every fork).
@@ -871,7 +871,7 @@ def restore(manifest, store, settings):
         if key is None:
             continue
         try:
-            value = pickle.loads(store.blob(key))
+            value = serializer.loads_plain(store.blob(key))
         except StoreError:
             # Damaged bytes, an unreachable remote, a newer server's record: the state
             # cannot be what it was, and a warning would hide that.

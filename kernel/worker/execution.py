@@ -27,7 +27,7 @@ import signal
 import tokenize
 import types
 
-from kernel.worker import capture
+from snapkernel.kernel.worker import capture
 
 _KERNEL_DIR = os.path.dirname(os.path.abspath(__file__))
 _counter = itertools.count(1)

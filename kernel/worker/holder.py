@@ -17,12 +17,12 @@ import signal
 import time
 import traceback
 
-from kernel import protocol, trace
-from kernel.channel import ChannelClosed
-from kernel.worker import context, replay
-from kernel.worker.process import WorkerProcess, core_free, fork_worker
-from storage import snapshot
-from storage.store import StoreError, encode_manifest
+from snapkernel.kernel import protocol, trace
+from snapkernel.kernel.channel import ChannelClosed
+from snapkernel.kernel.worker import context, replay
+from snapkernel.kernel.worker.process import WorkerProcess, core_free, fork_worker
+from snapkernel.storage import snapshot
+from snapkernel.storage.store import StoreError, encode_manifest
 
 # A spare child warms up only after this long without a request (see StateHolder.warm).
 WARM_AFTER_S = 0.05
@@ -282,7 +282,7 @@ class StateHolder(WorkerProcess):
         gc.freeze()
         if fork_worker("child") == 0:
             self.channel.close()
-            from kernel.worker.child import CellChild
+            from snapkernel.kernel.worker.child import CellChild
             try:
                 self.connect(protocol.SPARE, state_id=self.manifest["id"])
                 self.warm()
@@ -322,8 +322,8 @@ class StateHolder(WorkerProcess):
 
     def rehearsal(self):
         """The steps of a throwaway cell: compile, read analysis, run, save (not written)."""
-        from kernel.worker import reads
-        from kernel.worker.execution import compile_cell, run_cell
+        from snapkernel.kernel.worker import reads
+        from snapkernel.kernel.worker.execution import compile_cell, run_cell
         self.store()
         scratch = {"__builtins__": self.namespace["__builtins__"]}
         # len(): an int result, which needs no IPython shell in a cold worker.

@@ -172,7 +172,7 @@ def run_limited(cell, namespace, execution_count, settings, sink=None):
     cell forked and that returns from it (os.fork() without exec) exits here,
     quietly: only the process the pool forked may answer and store.
     """
-    from kernel.worker import execution
+    from snapkernel.kernel.worker import execution
     owner = os.getpid()
     applied = begin_cell(settings)
     signal.signal(signal.SIGINT, signal.default_int_handler)

@@ -12,10 +12,10 @@ import re
 import signal
 import types
 
-from kernel import launch, protocol, trace
-from kernel.channel import Channel
-from storage import snapshot
-from storage.cache import open_store
+from snapkernel.kernel import launch, protocol, trace
+from snapkernel.kernel.channel import Channel
+from snapkernel.storage import snapshot
+from snapkernel.storage.cache import open_store
 
 # The SIGCHLD pipe of this process, closed in forked children (which make their own).
 _wake_fds = []

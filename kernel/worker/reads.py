@@ -16,7 +16,7 @@ import re
 import sys
 import types
 
-from storage.groups import filled
+from snapkernel.storage.groups import filled
 
 # Builtins and attributes through which code can reach any global by name.
 DYNAMIC_NAMES = frozenset({

@@ -7,7 +7,7 @@ shallow copy of the restored namespace; only its volatile names are taken
 back, and what it printed is dropped.
 """
 
-from kernel.worker import execution, limits
+from snapkernel.kernel.worker import execution, limits
 
 
 class ReplayFailed(Exception):

@@ -16,7 +16,7 @@ holds it is volatile (its cell replayed, or its name reported).
 
 import sys
 
-from storage.serializer import rebuildable_widget
+from snapkernel.storage.serializer import rebuildable_widget
 
 
 def _instances():

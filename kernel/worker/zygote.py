@@ -15,12 +15,12 @@ import os
 import select
 import signal
 
-from kernel import protocol, trace
-from kernel.channel import ChannelClosed
-from kernel.worker import context, limits
-from kernel.worker.process import (PR_SET_CHILD_SUBREAPER, PR_SET_PDEATHSIG, WorkerProcess,
+from snapkernel.kernel import protocol, trace
+from snapkernel.kernel.channel import ChannelClosed
+from snapkernel.kernel.worker import context, limits
+from snapkernel.kernel.worker.process import (PR_SET_CHILD_SUBREAPER, PR_SET_PDEATHSIG, WorkerProcess,
                                    fork_worker, fresh_main, prctl)
-from storage import remote
+from snapkernel.storage import remote
 
 
 def zygote_main(sock_path, settings):
@@ -32,7 +32,7 @@ def zygote_main(sock_path, settings):
     trace.configure(settings, "zygote")
     context.remember_base()
     limits.init_zygote()
-    from kernel.worker import execution, holder  # every holder runs cells: imported once, here
+    from snapkernel.kernel.worker import execution, holder  # every holder runs cells: imported once, here
     execution.capture.watch_imports()
     child_loads = holder.ChildLock("child-loads")  # shared by every holder of both zygotes
     warm = settings["workers.warm_zygote"] and os.fork() == 0
@@ -72,7 +72,7 @@ def _warm(settings):
             __import__(name)
         except Exception:
             pass
-    from kernel.worker import execution
+    from snapkernel.kernel.worker import execution
     execution.capture.warm()
     remote.warm(settings)
     execution.run_cell(execution.compile_cell("_w = [1]\n_w", 0), {"__builtins__": __builtins__}, 0,

@@ -232,9 +232,9 @@ def durable_write_seconds(folder, size):
 _CONTEXT_CAPTURE = r"""
 import json, random, sys, time
 import numpy, pandas, matplotlib; matplotlib.use("Agg"); import matplotlib.pyplot
-from kernel import config
-from kernel.worker import context
-from kernel.worker.capture import shell
+from snapkernel.kernel import config
+from snapkernel.kernel.worker import context
+from snapkernel.kernel.worker.capture import shell
 shell.get_shell()
 settings = config.load()
 context.remember_base()

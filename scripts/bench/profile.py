@@ -21,7 +21,7 @@ import time
 
 from bench.peers import Ours
 from bench.workloads import MB, READS, UPDATE_SETUP, frame_cell
-from kernel import trace
+from snapkernel.kernel import trace
 
 # What happens before a stamp of each phase, from the usual stamp before it.
 PHASES = {

@@ -53,7 +53,7 @@ from bench.floors import durable_write_seconds
 from bench.peers import Ours, added_bytes
 from bench.report import fmt_ms, fmt_size, median
 from harness import ROOT
-from kernel import trace
+from snapkernel.kernel import trace
 
 MB = 10 ** 6
 SIZES = {"quick": [0, 10 * MB, 100 * MB], "full": [0, 10 * MB, 100 * MB, 1000 * MB, 4000 * MB]}
@@ -106,9 +106,9 @@ RESTORE_ROUNDS = 3
 _RESTORE = r"""
 import json, sys, time
 import numpy, pandas, pyarrow, xxhash
-from kernel import config
-from storage import pages, serializer, snapshot
-from storage.store import Store
+from snapkernel.kernel import config
+from snapkernel.storage import pages, serializer, snapshot
+from snapkernel.storage.store import Store
 path, name, rounds = sys.argv[1], sys.argv[2], int(sys.argv[3])
 settings = config.load()
 store = Store(path, settings)

@@ -21,10 +21,10 @@ import contextlib
 import getpass
 import sys
 
-from kernel.worker.capture import collector, display, figures, libraries, shell, streams
-from kernel.worker.capture.display import format_object
-from kernel.worker.capture.libraries import watch_imports
-from kernel.worker.capture.shell import post_run_events, pre_run_events
+from snapkernel.kernel.worker.capture import collector, display, figures, libraries, shell, streams
+from snapkernel.kernel.worker.capture.display import format_object
+from snapkernel.kernel.worker.capture.libraries import watch_imports
+from snapkernel.kernel.worker.capture.shell import post_run_events, pre_run_events
 
 __all__ = ["capture", "finish_cell", "warm", "watch_imports", "format_object",
            "pre_run_events", "post_run_events"]

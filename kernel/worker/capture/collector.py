@@ -17,7 +17,7 @@ import contextlib
 import signal
 import threading
 
-from kernel.worker.capture.bundles import bundle_size, cap_bundle, normalize_bundle
+from snapkernel.kernel.worker.capture.bundles import bundle_size, cap_bundle, normalize_bundle
 
 _running = None  # the OutputCollector of the running cell, if any
 

@@ -30,8 +30,8 @@ import contextlib
 import json
 import sys
 
-from kernel.protocol import COMM_MESSAGES
-from kernel.worker.capture import collector
+from snapkernel.kernel.protocol import COMM_MESSAGES
+from snapkernel.kernel.worker.capture import collector
 
 _manager = None  # this process's CommManager, made on first use (inherited by forks)
 _parent_id = None  # the id of the front end's message the running cell answers
@@ -127,7 +127,7 @@ def deliver(msg_type, message):
     ipykernel answers it, then CommNotHandled; so is a message for a comm this
     process does not have.
     """
-    from kernel.worker.capture import libraries  # (it imports this module)
+    from snapkernel.kernel.worker.capture import libraries  # (it imports this module)
     message = json.loads(message)
     if msg_type not in COMM_MESSAGES:
         raise ValueError(f"not a comm message: {msg_type!r}")

@@ -5,7 +5,7 @@ Both go through the private IPython shell, so `_repr_*_` methods,
 display ids behave exactly as in Jupyter.
 """
 
-from kernel.worker.capture import shell
+from snapkernel.kernel.worker.capture import shell
 
 # Exact types whose Jupyter display is just their repr.
 _PLAIN_TYPES = frozenset({int, float, bool, complex, str, bytes, type(None)})

@@ -12,10 +12,10 @@ import functools
 import io
 import sys
 
-from kernel.worker.capture import collector
+from snapkernel.kernel.worker.capture import collector
 
 # Backend name under which mpl_backend.py is loaded by matplotlib.
-MPL_BACKEND = "module://kernel.worker.capture.mpl_backend"
+MPL_BACKEND = "module://snapkernel.kernel.worker.capture.mpl_backend"
 IPYKERNEL_BACKEND = "module://matplotlib_inline.backend_inline"  # what ours stands for
 
 _user_figure_formats = [None]  # set by %config InlineBackend.figure_format(s)

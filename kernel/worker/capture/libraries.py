@@ -14,7 +14,7 @@ import importlib.util
 import os
 import sys
 
-from kernel.worker.capture import collector, comms, figures, shell
+from snapkernel.kernel.worker.capture import collector, comms, figures, shell
 
 _pandas_done = set()
 

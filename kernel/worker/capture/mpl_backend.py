@@ -1,6 +1,6 @@
 """The matplotlib backend of cells: Agg drawing, figures shown as cell outputs.
 
-Selected by figures.py as ``module://kernel.worker.capture.mpl_backend``.
+Selected by figures.py as ``module://snapkernel.kernel.worker.capture.mpl_backend``.
 `plt.show()` displays every open figure and closes it; the figures still
 open when the cell ends are shown by the capture's finish_cell.
 """
@@ -8,7 +8,7 @@ open when the cell ends are shown by the capture's finish_cell.
 from matplotlib.backend_bases import FigureManagerBase
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 
-from kernel.worker.capture import figures
+from snapkernel.kernel.worker.capture import figures
 
 
 class FigureManager(FigureManagerBase):

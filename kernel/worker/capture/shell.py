@@ -14,7 +14,7 @@ import os
 import sys
 import threading
 
-from kernel.worker.capture import collector, figures
+from snapkernel.kernel.worker.capture import collector, figures
 
 # Called with (magic name, line) after each line magic a cell runs (kernel/worker/
 # context.py keeps the ones that set IPython's state).

@@ -20,7 +20,7 @@ import io
 import os
 import sys
 
-from kernel.worker.capture import collector as _collector
+from snapkernel.kernel.worker.capture import collector as _collector
 
 _PUNCH_BYTES = 1 << 20  # read fd-level output is released from memory in steps of this
 # A write(2) becomes visible page by page while it is copied in, so a read that ends
