@@ -19,7 +19,7 @@ import pytest
 import requests
 
 from conftest import ROOT, free_port, wait_for
-from kernel import __version__
+from snapkernel.kernel import __version__
 from test_fidelity import NOTEBOOKS, compare_notebook, run_in_jupyter, run_on_server
 
 pytest.importorskip("ipykernel")
@@ -400,7 +400,7 @@ class Lab:
         pids = set()
         for p in psutil.Process(self.lab.pid).children():
             try:
-                if "kernel.jupyter.kernel" in " ".join(p.cmdline()):
+                if "snapkernel.kernel.jupyter.kernel" in " ".join(p.cmdline()):
                     pids.add(p.pid)
             except psutil.NoSuchProcess:
                 continue  # exited since it was listed: not a running kernel
@@ -498,3 +498,21 @@ def test_a_notebook_runs_in_its_folder_through_the_kernel(data_dir, tmp_path):
                    resources={"metadata": {"path": str(folder)}}).execute()
     shown = [c.outputs[0]["data"]["text/plain"] for c in nb.cells]
     assert shown == ["'hello from helpers'", "6", repr(str(folder))]
+
+
+def test_a_notebooks_own_modules_named_like_ours_are_the_notebooks(data_dir, tmp_path):
+    """A kernel started in a folder holding `storage.py`, `kernel/`, `main.py`, ...: a
+    cell imports those, not the package's modules (the kernel, its server and its
+    workers import only `snapkernel`)."""
+    names = ("storage", "kernel", "api", "main", "config", "protocol", "server", "worker")
+    for name in names:
+        path = tmp_path / (f"{name}/__init__.py" if name == "kernel" else f"{name}.py")
+        path.parent.mkdir(exist_ok=True)
+        path.write_text(f"WHO = 'notebook {name}'\n")
+    k = Kernel(cwd=str(tmp_path))
+    try:
+        assert k.text("import importlib\n"
+                      f"print([importlib.import_module(n).WHO for n in {names!r}])") == \
+            f"{['notebook ' + n for n in names]}\n"
+    finally:
+        k.stop()
