@@ -1,6 +1,6 @@
 """The OpenAPI 3 document of the server's HTTP API, served at GET /openapi.json.
 
-It describes every route of the README's API table with its request and
+It describes every route of docs/api.md's table with its request and
 answer schemas, the JSON error every failure is answered with, and the two
 ways of passing the token (query parameter `token`, `Authorization: Bearer`).
 /openapi.json itself needs the token, like every route but /health: it
@@ -156,7 +156,7 @@ _NOTEBOOK_RECORD = {
         "started": {"type": "string"},
         "finished": {"type": "string", "nullable": True},
         "receipt": {"type": "object", "description": "A fresh run's receipt (its JSON "
-                                                     "Schema is in the README)"},
+                                                     "Schema is in docs/fresh-runs.md)"},
     },
 }
 assert set(_NOTEBOOK_RECORD["properties"]) == {f.name for f in dataclasses.fields(NotebookRun)}
@@ -250,7 +250,7 @@ def document(version=__version__):
                     "cwd": {"type": "string", "description": "The folder its cells run in"},
                     "context": dict(_NAMES, description="What the state keeps besides its "
                                     "names (the random generators, library settings, "
-                                    "the environment...: README, \"What a state holds\")"),
+                                    "the environment...: docs/state.md)"),
                     "unkept": dict(_NAMES, description="Attributes its cells set on modules "
                                    "whose values could not be stored"),
                     "local_modules": {"type": "object", "description": "Modules its cells "

@@ -3,7 +3,7 @@
 A receipt is JSON that a CI pipeline keeps beside its artifacts. It holds
 hashes, counts, timings, limits and names, never the notebook's source, its
 outputs or a traceback (a failed cell is described by its exception's class
-name). SCHEMA is its JSON Schema, printed in the README; `check` holds
+name). SCHEMA is its JSON Schema, printed in docs/fresh-runs.md; `check` holds
 every receipt to it before it leaves the process.
 """
 
