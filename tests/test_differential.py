@@ -465,7 +465,7 @@ def run_machine(s3, tmp_path, **options):
 def test_differential(s3, tmp_path, capsys):
     """A few derandomized sequences (the same on every run), in about two minutes."""
     with capsys.disabled():
-        run_machine(s3, tmp_path, max_examples=4, stateful_step_count=5,
+        run_machine(s3, tmp_path, max_examples=3, stateful_step_count=5,
                     derandomize=True, database=None)
 
 
