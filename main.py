@@ -35,20 +35,24 @@ def __getattr__(name):
 
 def parser():
     """The command line: a sub-command and its options."""
+    # argparse names the program as invoked: `snapshot-kernel` (the console command) or
+    # `main.py` (python main.py, python -m snapkernel.main).
     p = argparse.ArgumentParser(
-        prog="main.py", description="Snapshot kernel: a server that runs notebook cells "
-                                    "against named, immutable, persistent states")
+        description="Snapshot kernel: a server that runs notebook cells against named, "
+                    "immutable, persistent states")
     commands = p.add_subparsers(dest="command", metavar="{serve,run,install-kernelspec}")
     _serve_options(commands.add_parser(
-        "serve", help="serve the HTTP API (the default: `main.py --bind ...` serves)",
+        "serve", help=f"serve the HTTP API (the default: `{p.prog} --bind ...` serves)",
         description="Serve the HTTP API until SIGTERM or Ctrl-C"))
-    _run_options(commands.add_parser(
+    p.run_parser = commands.add_parser(
         "run", help="run a notebook (.ipynb) and write it back executed",
         description="Run a notebook (.ipynb) on the state store without a server: only the "
                     "cells whose result could have changed run, the others are reused from "
                     "the store. Writes the executed notebook. Exit status 0 when every cell "
                     "ran or was reused, 1 when a cell failed or could not run, 2 on bad "
-                    "input."))
+                    "input. Parameters (-p, -r, -f, -y) are papermill's: they go into a cell "
+                    "tagged injected-parameters after the cell tagged parameters.")
+    _run_options(p.run_parser)
     _kernelspec_options(commands.add_parser(
         "install-kernelspec", help="make the Jupyter kernel known to Jupyter",
         description="Install the Jupyter kernelspec of the snapshot kernel (display name "
@@ -63,7 +67,7 @@ def _serve_options(p):
                    help="secret token every request must carry (or SNAPSHOT_KERNEL_TOKEN)")
     p.add_argument("--no-auth", action="store_true",
                    help="serve without a token (loopback binds only)")
-    p.add_argument("--data-dir", help="folder of the state store (default: config.toml)")
+    _data_dir_option(p)
     p.add_argument("--config", help="a TOML file overriding config.toml")
     p.add_argument("--display-max-rows", type=int, help="pandas display.max_rows")
     p.add_argument("--display-max-columns", type=int, help="pandas display.max_columns")
@@ -71,18 +75,38 @@ def _serve_options(p):
     p.add_argument("--verbose", action="store_true", help="log to stderr")
 
 
+def _data_dir_option(p):
+    """--data-dir, its help naming the folder the store is in by default."""
+    p.add_argument("--data-dir", help=f"folder of the state store (default: "
+                                      f"{config_mod.default_data_dir()}, or server.data_dir "
+                                      f"in --config)")
+
+
 def _run_options(p):
     """The options of `run`."""
     p.add_argument("notebook", help="the .ipynb file to run")
-    p.add_argument("-o", "--output", help="where to write the executed notebook "
-                                          "(default: the notebook file itself)")
+    p.add_argument("-o", "--output", help="where to write the executed notebook (default: "
+                                          "the notebook file itself; with --fresh, none: "
+                                          "a fresh run never writes over its source)")
+    given = p.add_argument_group(
+        "parameters", "as papermill's: later ones win, files first, then -y, -p and -r")
+    given.add_argument("-p", "--parameter", nargs=2, action="append", default=[],
+                       metavar=("NAME", "VALUE"),
+                       help="a parameter; VALUE read as papermill reads it (True, False, "
+                            "None, an int, a float, else a string)")
+    given.add_argument("-r", "--parameter-raw", nargs=2, action="append", default=[],
+                       metavar=("NAME", "VALUE"), help="a parameter whose VALUE is a string")
+    given.add_argument("-f", "--parameters-file", action="append", default=[],
+                       metavar="FILE", help="a YAML (or JSON) file of parameters")
+    given.add_argument("-y", "--parameters-yaml", action="append", default=[],
+                       metavar="YAML", help="parameters as a YAML text")
     p.add_argument("--order", choices=ORDERS, default="notebook",
                    help="notebook: top to bottom, as Jupyter; dataflow: each cell after the "
                         "cells defining what it reads (default %(default)s)")
     p.add_argument("--rerun", nargs="+", action="extend", default=[], metavar="ID",
                    help="run these cells (by cell id) and everything downstream of them, "
                         "even if nothing changed")
-    p.add_argument("--data-dir", help="folder of the state store (default: config.toml)")
+    _data_dir_option(p)
     p.add_argument("--config", help="a TOML file overriding config.toml")
     p.add_argument("--server", metavar="URL",
                    help="run through the server at URL instead (for a store a server holds)")
@@ -101,9 +125,13 @@ def _run_options(p):
                       "passed, and a receipt says what ran where")
     fresh.add_argument("--fresh", action="store_true", help="run fresh")
     fresh.add_argument("--receipt", help="where to write the run's receipt (JSON)")
-    fresh.add_argument("--timeout", type=float, help="whole-run deadline in seconds")
-    fresh.add_argument("--cell-timeout", type=float,
-                       help="longest run of one cell in seconds (0: none)")
+    p.add_argument("--timeout", type=float,
+                   help="whole-run deadline in seconds (default: none; with --fresh, "
+                        "fresh.timeout_s)")
+    p.add_argument("--cell-timeout", type=float,
+                   help="longest run of one cell in seconds, 0: none (default: "
+                        "limits.cell_timeout_s; with --fresh, fresh.cell_timeout_s); a cell "
+                        "past it is interrupted and fails with Timeout")
     fresh.add_argument("--env", action="extend", nargs="+", default=[], metavar="NAME",
                        help="pass this variable from the environment (must be set)")
     fresh.add_argument("--lock", help="a lock file whose hash and path the receipt records")
@@ -138,14 +166,22 @@ def parse(argv):
         argv = ["serve", *argv]  # the reference's command line: options only
     p = parser()
     args = p.parse_args(argv)
+    args.prog = p.prog
     if args.command == "run":
-        _check_run(p, args)
+        _check_run(p.run_parser, args)
     return args
 
 
 def _check_run(p, args):
     """Refuse options of the other kind of run; gather a fresh run's options in
-    `args.fresh` (a FreshOptions, or None for an incremental run)."""
+    `args.fresh` (a FreshOptions, or None for an incremental run) and the parameters in
+    `args.parameters`."""
+    from snapkernel.kernel.notebook import parameters
+    try:
+        args.parameters = parameters.from_command_line(
+            args.parameters_file, args.parameters_yaml, args.parameter, args.parameter_raw)
+    except parameters.ParameterError as exc:
+        p.error(str(exc))
     fresh_only = [n for n in FreshOptions.names(shared=False) if n != "env"]
     given = [n for n in (_STORE_ONLY if args.fresh else fresh_only + ["env"])
              if getattr(args, n) not in (None, [], False)]
@@ -173,7 +209,7 @@ def settings_of(args, overrides=()):
 
 def refuse(args, message):
     """Say what is wrong with the command line and exit with status 2."""
-    print(f"main.py {args.command}: error: {message}", file=sys.stderr)
+    print(f"{args.prog} {args.command}: error: {message}", file=sys.stderr)
     sys.exit(2)
 
 
@@ -230,7 +266,10 @@ def main(argv=None):
     pool = Pool(settings)
     pool.start()
     from snapkernel.api import server
-    server.serve(host, int(port), settings, args.token, args.no_auth, pool)
+    try:
+        server.serve(host, int(port), settings, args.token, args.no_auth, pool)
+    except server.StartFailed as exc:
+        refuse(args, str(exc))
 
 
 if __name__ == "__main__":

@@ -127,6 +127,12 @@ _NOTEBOOK_CELL = {
         "execution_count": {"type": "integer", "nullable": True},
         "state_name": {"type": "string", "nullable": True,
                        "description": "The state the cell left, for /execute and the others"},
+        "execution": {"type": "object", "nullable": True,
+                      "additionalProperties": {"type": "string"},
+                      "description": "nbclient's timings (iopub.status.busy, "
+                                     "iopub.execute_input, shell.execute_reply, "
+                                     "iopub.status.idle) of the run that made the cell's "
+                                     "result"},
     },
 }
 
@@ -155,6 +161,9 @@ _NOTEBOOK_RECORD = {
         "running": {"type": "boolean"},
         "started": {"type": "string"},
         "finished": {"type": "string", "nullable": True},
+        "language_info": {"type": "object", "nullable": True,
+                          "description": "The notebook's metadata.language_info, of the "
+                                         "interpreter that ran the cells"},
         "receipt": {"type": "object", "description": "A fresh run's receipt (its JSON "
                                                      "Schema is in docs/fresh-runs.md)"},
     },
@@ -332,16 +341,28 @@ def document(version=__version__):
                                                 "allow_errors): it is failed, and the cells "
                                                 "after it see what it did before it raised. "
                                                 "Not for fresh runs"},
+                "parameters": {"type": "object", "nullable": True,
+                               "description": "papermill's parameters {name: value}: a "
+                                              "cell tagged injected-parameters assigning "
+                                              "them follows the cell tagged parameters (at "
+                                              "the top if none is; it replaces a cell "
+                                              "tagged injected-parameters). Names must be "
+                                              "Python identifiers"},
+                "timeout": {"type": "number", "nullable": True,
+                            "description": "Whole-run deadline in seconds: the running cell "
+                                           "fails with Timeout, the rest do not run "
+                                           "(default: none; fresh: fresh.timeout_s)"},
+                "cell_timeout": {"type": "number", "nullable": True, "minimum": 0,
+                                 "description": "Longest cell in seconds, 0 = none: it is "
+                                                "interrupted and fails with Timeout, "
+                                                "keeping no state (default: "
+                                                "limits.cell_timeout_s; fresh: "
+                                                "fresh.cell_timeout_s)"},
                 "fresh": {"type": "boolean", "nullable": True,
                           "description": "Run every cell from scratch in a new interpreter, "
                                          "within limits, keeping no state; the answer adds "
                                          "the receipt. The options below are for fresh runs "
                                          "only"},
-                "timeout": {"type": "number", "nullable": True,
-                            "description": "Whole-run deadline in seconds (fresh.timeout_s)"},
-                "cell_timeout": {"type": "number", "nullable": True,
-                                 "description": "Longest cell in seconds, 0 = none "
-                                                "(fresh.cell_timeout_s)"},
                 "env": dict(_NAMES, nullable=True,
                             description="Variables of the server's environment passed to the "
                                         "run (must be set; no secrets)"),

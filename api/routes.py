@@ -283,7 +283,10 @@ def notebook_request(data):
     return NotebookRequest(data["notebook"], cells, order=data.get("order") or "notebook",
                            rerun=data.get("rerun") or [], exec_id=data.get("exec_id"),
                            fresh=fresh, cwd=data.get("cwd"),
-                           allow_errors=bool(data.get("allow_errors")))
+                           allow_errors=bool(data.get("allow_errors")),
+                           parameters=data.get("parameters") or None,
+                           timeout=None if fresh else data.get("timeout"),
+                           cell_timeout=None if fresh else data.get("cell_timeout"))
 
 
 def _cell_line(cell):

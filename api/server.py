@@ -8,7 +8,9 @@ than in cheroot's single accept loop (`DeferredTls`).
 
 import logging
 import os
+import re
 import signal
+import ssl
 import sys
 import threading
 
@@ -84,37 +86,68 @@ class DeferredTls(BuiltinSSLAdapter):
         return tls, {"wsgi.url_scheme": "https", "HTTPS": "on"}
 
 
+class StartFailed(Exception):
+    """The server cannot start; the message names the problem in one line."""
+
+
+def _reason(exc):
+    """The system's words for a failed bind (cheroot wraps them in its own message)."""
+    found = re.findall(r"\[Errno \d+\] ([^)]*)", str(exc))
+    return found[-1] if found else (getattr(exc, "strerror", None) or str(exc))
+
+
 def serve(host, port, settings, token, no_auth=False, pool=None):
-    """Open the store, then serve the routes on `host`:`port` until SIGTERM or
-    Ctrl-C, and stop every worker; exits with a message if the store cannot be
-    used. `pool`: the worker pool, started already (see Registry)."""
+    """Listen on `host`:`port`, open the store, then serve the routes until SIGTERM or
+    Ctrl-C, and stop every worker. StartFailed when it cannot start (the port is taken,
+    the address is not this machine's, the certificate is not one, the store is held):
+    the socket is bound and the certificate loaded before the store is claimed, so a
+    failed start leaves no store and no lock behind. `pool`: the worker pool, started
+    already (see Registry); closed on a failed start."""
     app.config["token"] = token
     app.config["no_auth"] = no_auth and not token
     service.use(settings)
+    scheme = "https" if settings["server.certfile"] else "http"
+    server = DeferredServer((host.strip("[]"), port), app,
+                            numthreads=settings["server.server_threads"],
+                            timeout=settings["server.socket_timeout_s"],
+                            request_queue_size=_BACKLOG)
     try:
-        registry = service.start(f"a server starting (pid {os.getpid()})", pool)
-    except StoreError as exc:
+        if settings["server.certfile"] or settings["server.keyfile"]:
+            try:
+                server.ssl_adapter = DeferredTls(settings["server.certfile"],
+                                                 settings["server.keyfile"])
+            except (OSError, ssl.SSLError) as exc:
+                reason = f"not a PEM certificate and its key ({exc.args[-1]})" \
+                    if isinstance(exc, ssl.SSLError) else exc.strerror
+                raise StartFailed(
+                    f"cannot use the certificate {settings['server.certfile']} and key "
+                    f"{settings['server.keyfile']} (server.certfile, server.keyfile): "
+                    f"{reason}") from None
+        try:
+            server.prepare()  # binds and listens: nothing is served before serve()
+        except OSError as exc:
+            raise StartFailed(f"cannot listen on {host}:{port}: {_reason(exc)} (choose "
+                              f"another --bind)") from None
+        try:
+            registry = service.start(f"a server starting (pid {os.getpid()})", pool)
+        except StoreError as exc:
+            if isinstance(exc, StoreHeld):
+                raise StartFailed(f"{exc}; stop it or choose another --data-dir") from None
+            raise StartFailed(str(exc)) from None
+    except StartFailed:
         if pool is not None:
             pool.close()
-        if isinstance(exc, StoreHeld):
-            sys.exit(f"error: {exc}; stop it or choose another --data-dir")
-        sys.exit(f"error: {exc}")
+        if server.ready:
+            _stop_within(server, _STOP_S)
+        raise
     if registry.damaged:
         damaged = registry.damaged
         # Said once, before serving: while it serves, the server writes nothing on stderr.
         print(f"warning: {len(damaged)} state(s) left out, their manifests damaged: "
               f"{'; '.join(map(str, damaged[:3]))}{'; ...' if len(damaged) > 3 else ''}. "
               f"scripts/check_store.py lists what is damaged", file=sys.stderr, flush=True)
-    scheme = "https" if settings["server.certfile"] else "http"
     note_holder(service.store_lock, f"a server at {scheme}://{host}:{port} "
                                     f"(pid {os.getpid()})")
-    server = DeferredServer((host.strip("[]"), port), app,
-                            numthreads=settings["server.server_threads"],
-                            timeout=settings["server.socket_timeout_s"],
-                            request_queue_size=_BACKLOG)
-    if settings["server.certfile"] or settings["server.keyfile"]:
-        server.ssl_adapter = DeferredTls(settings["server.certfile"],
-                                         settings["server.keyfile"])
 
     def stop(*_):
         """SIGTERM or Ctrl-C: leave the serving loop from the main thread (once)."""
@@ -125,7 +158,7 @@ def serve(host, port, settings, token, no_auth=False, pool=None):
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGINT, stop)
     try:
-        server.start()
+        server.serve()
     except (KeyboardInterrupt, SystemExit):
         pass
     finally:

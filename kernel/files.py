@@ -16,6 +16,18 @@ def sha256_file(path):
         return hashlib.file_digest(f, "sha256").hexdigest()
 
 
+def unwritable(path, what):
+    """Why no file can be written at `path` (`what` names it in the message), or None."""
+    folder = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(folder):
+        return f"cannot write the {what} {path}: its folder {folder} does not exist"
+    if not os.access(folder, os.W_OK):
+        return f"cannot write the {what} {path}: its folder {folder} is not writable"
+    if os.path.isdir(path):
+        return f"the {what} {path} is a folder"
+    return None
+
+
 def stage(dest, data):
     """Write `data` (bytes) to a new hidden file beside `dest`; returns its path.
 

@@ -273,6 +273,20 @@ def now():
     return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="milliseconds")
 
 
+def timing_stamp():
+    """The current UTC time as nbclient's cell timings write it
+    (2024-05-01T12:00:00.123456Z)."""
+    return datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+
+
+def timings(busy, idle):
+    """A cell's metadata.execution, nbclient's record_timing keys: `busy` when the cell
+    was handed to its process (iopub.status.busy, iopub.execute_input), `idle` when it
+    answered (shell.execute_reply, iopub.status.idle)."""
+    return {"iopub.status.busy": busy, "iopub.execute_input": busy,
+            "shell.execute_reply": idle, "iopub.status.idle": idle}
+
+
 @dataclass
 class NotebookCell:
     """One code cell of a notebook run: what was asked, then what became of it.
@@ -289,6 +303,9 @@ class NotebookCell:
     error: dict | None = None
     execution_count: int | None = None
     state_name: str | None = None
+    # nbclient's record_timing keys ({"iopub.status.busy": ISO time, ...}) of the run that
+    # made the cell's result (for a reused cell, the run that stored it).
+    execution: dict | None = None
     source: str = field(default="", repr=False)
     index: int = 0
     tags: tuple = ()
@@ -317,7 +334,7 @@ class NotebookCell:
 
 # The fields of a cell's JSON form.
 CELL_FIELDS = ("id", "key", "status", "took_s", "outputs", "error", "execution_count",
-               "state_name")
+               "state_name", "execution")
 
 
 @dataclass
@@ -327,8 +344,10 @@ class FreshOptions:
     Those marked `COMMAND_ONLY` name files on the caller's side and are the
     `run --fresh` command's alone; the others POST /notebooks/run takes too.
     """
-    timeout: float | None = None  # the whole run's deadline, s (fresh.timeout_s)
-    cell_timeout: float | None = None  # one cell's, s; 0 = none (fresh.cell_timeout_s)
+    # The whole run's deadline and one cell's, s; 0 = none (fresh.timeout_s and
+    # fresh.cell_timeout_s). Incremental runs take them too (NotebookRequest).
+    timeout: float | None = field(default=None, metadata=SHARED)
+    cell_timeout: float | None = field(default=None, metadata=SHARED)
     env: list = field(default_factory=list)  # names passed from the caller's environment
     cwd: str | None = field(default=None, metadata=SHARED)  # the cells' working directory
     expected_environment: str | None = None  # the environment SHA-256 the kernel must have
@@ -354,8 +373,11 @@ class NotebookRequest:
     are NotebookCell with id, source, index and tags; `cwd` the notebook's
     folder, where the cells run (a fresh run takes it as `fresh.cwd`).
     `order`, `rerun` and `allow_errors` (go on past a failing cell, as
-    nbclient's allow_errors does) are for incremental runs; `fresh`
-    (FreshOptions) makes it a fresh run.
+    nbclient's allow_errors does) are for incremental runs, as are `timeout`
+    (the whole run's, s) and `cell_timeout` (one cell's, s; 0 or None: none
+    but limits.cell_timeout_s); `fresh` (FreshOptions, with timeouts of its
+    own) makes it a fresh run. `parameters` ({name: value}, papermill's) go
+    into a cell tagged injected-parameters (kernel/notebook/parameters.py).
     """
     notebook: str
     cells: list
@@ -365,6 +387,9 @@ class NotebookRequest:
     fresh: FreshOptions | None = None
     cwd: str | None = None
     allow_errors: bool = False
+    parameters: dict | None = None
+    timeout: float | None = None
+    cell_timeout: float | None = None
 
     # Options an incremental run takes and a fresh run does not.
     INCREMENTAL_ONLY = ("order", "rerun", "exec_id", "allow_errors")
@@ -384,6 +409,8 @@ class NotebookRun:
     order: list = field(default_factory=list)  # cell ids, in the order the run took them
     diagnostics: list = field(default_factory=list)
     state_name: str | None = None
+    # The metadata.language_info of the interpreter that ran the cells (ipykernel's).
+    language_info: dict | None = None
     receipt: dict | None = None  # a fresh run's
 
     def to_json(self):

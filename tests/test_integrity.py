@@ -195,7 +195,7 @@ def test_truncated_data_file_is_refused_without_a_crash(make_server, tmp_path, c
     server = subprocess.run([sys.executable, "main.py", "--bind", "127.0.0.1:1", "--token",
                              "t", "--data-dir", str(data)], cwd=ROOT, capture_output=True,
                             text=True, timeout=60)
-    assert server.returncode == 1, (server.returncode, server.stderr)
+    assert server.returncode == 2, (server.returncode, server.stderr)
     assert str(path) in server.stderr and "cut short" in server.stderr
     assert f"has {size} bytes" in server.stderr
     assert "SIGBUS" in server.stderr and "backup" in server.stderr

@@ -53,7 +53,7 @@ def test_run_writes_the_executed_notebook_and_reuses_results(tmp_path):
     assert first.stdout == ""
     lines = first.stderr.splitlines()
     assert [line.split(" in ")[0] for line in lines[:4]] == [
-        "c0: ran", "c1: ran", "c2: ran", "c3: ran"]
+        "cell 2 (c0): ran", "cell 3 (c1): ran", "cell 4 (c2): ran", "cell 5 (c3): ran"]
     cells = code_cells(out)
     assert [c.execution_count for c in cells] == [1, 2, 3, 4]
     assert text(cells[1]) == "6\n" and text(cells[2]) == "array([0, 2, 4, 6])"
@@ -63,8 +63,8 @@ def test_run_writes_the_executed_notebook_and_reuses_results(tmp_path):
     # No -o: the notebook itself gets the outputs; nothing runs again.
     second = run_cli(src, "--data-dir", data)
     assert second.returncode == 0, second.stderr
-    assert second.stderr.splitlines()[:4] == ["c0: reused", "c1: reused", "c2: reused",
-                                              "c3: reused"]
+    assert second.stderr.splitlines()[:4] == ["cell 2 (c0): reused", "cell 3 (c1): reused",
+                                              "cell 4 (c2): reused", "cell 5 (c3): reused"]
     assert [c.outputs for c in code_cells(src)] == [c.outputs for c in code_cells(out)]
     # An edited cell and its dependents run; the rest is reused.
     nb = nbformat.read(str(src), as_version=4)
@@ -73,7 +73,7 @@ def test_run_writes_the_executed_notebook_and_reuses_results(tmp_path):
     third = run_cli(src, "--data-dir", data, "--rerun", "c1")
     assert third.returncode == 0, third.stderr
     assert [line.split(" in ")[0] for line in third.stderr.splitlines()[:4]] == [
-        "c0: ran", "c1: ran", "c2: ran", "c3: ran"]
+        "cell 2 (c0): ran", "cell 3 (c1): ran", "cell 4 (c2): ran", "cell 5 (c3): ran"]
     assert text(code_cells(src)[1]) == "10\n"
 
 
@@ -82,10 +82,10 @@ def test_failures_and_bad_input(tmp_path):
     src = notebook(tmp_path / "fail.ipynb", "a = 1", "b = 1 / 0", "c = a + 1", "d = (")
     failed = run_cli(src, "--data-dir", data)
     assert failed.returncode == 1, failed.stderr
-    assert "c1: failed" in failed.stderr and "ZeroDivisionError" in failed.stderr
+    assert "cell 3 (c1): failed" in failed.stderr and "ZeroDivisionError" in failed.stderr
     # After the failure nothing runs, as in Jupyter: nor shows its error a cell that
     # does not parse (the diagnostics name it).
-    assert "c2: not_run" in failed.stderr and "c3: not_run" in failed.stderr
+    assert "cell 4 (c2): not_run" in failed.stderr and "cell 5 (c3): not_run" in failed.stderr
     assert "cell 'c3': SyntaxError" in failed.stderr
     cells = code_cells(src)
     errors = [o for o in cells[1].outputs if o.output_type == "error"]
@@ -113,7 +113,7 @@ def test_a_server_holding_the_store_is_named_and_can_be_gone_through(make_server
     assert "Traceback" not in refused.stderr
     through = run_cli(src, "--server", srv.url, "--token", TOKEN)
     assert through.returncode == 0, through.stderr
-    assert "c1: ran" in through.stderr
+    assert "cell 3 (c1): ran" in through.stderr
     assert text(code_cells(src)[1]) == "2\n"
     name = os.path.abspath(src)
     assert name in srv.get("/notebooks").json()["notebooks"]
@@ -161,7 +161,8 @@ def test_ctrl_c_interrupts_the_running_cell_and_ends_the_run(make_server, tmp_pa
         assert receipt["cells"][1]["ename"] == "KeyboardInterrupt"
         assert receipt["cleanup"]["status"] == "ok"
         return
-    assert "c1: failed" in err and "KeyboardInterrupt" in err and "c2: not_run" in err, err
+    assert "cell 3 (c1): failed" in err and "KeyboardInterrupt" in err, err
+    assert "cell 4 (c2): not_run" in err, err
     cells = code_cells(src)
     assert cells[0].execution_count == 1 and text(cells[0]) == ""
     assert [o.ename for o in cells[1].outputs if o.output_type == "error"] == [
@@ -174,7 +175,7 @@ def test_allow_errors_on_the_command_line(tmp_path):
                    "print(x + 1)")
     done = run_cli(src, "--data-dir", tmp_path / "store", "--allow-errors")
     assert done.returncode == 0, done.stderr
-    assert "c0: failed" in done.stderr and "c1: ran" in done.stderr
+    assert "cell 2 (c0): failed" in done.stderr and "cell 3 (c1): ran" in done.stderr
     cells = code_cells(src)
     assert [o.ename for o in cells[0].outputs if o.output_type == "error"] == ["ValueError"]
     assert text(cells[1]) == "2\n"

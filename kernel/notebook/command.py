@@ -22,7 +22,11 @@ from snapkernel.kernel.protocol import CellStatus, NotebookCell, NotebookRequest
 
 # Exit statuses of `main.py run`.
 EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT = 0, 1, 2
-PROG = "main.py run"
+
+
+def _prog(args):
+    """The command as invoked, for messages (`snapshot-kernel run`, `main.py run`)."""
+    return f"{getattr(args, 'prog', 'main.py')} run"
 
 
 class Refused(Exception):
@@ -32,31 +36,43 @@ class Refused(Exception):
 def run(args, settings):
     """Run the notebook as the parsed command line `args` says; the exit status."""
     from snapkernel.kernel.notebook import ipynb  # nbformat: only for .ipynb files
+    from snapkernel.kernel import files
     if args.fresh is not None:
         return _run_fresh(args, settings)
+    output = args.output or args.notebook
     try:
         _, notebook = ipynb.read(args.notebook)
+        # Checked before any cell runs: a run whose notebook cannot be written is not run.
+        problem = files.unwritable(output, "output")
+        if problem:
+            raise Refused(problem)
+        if args.cwd and not args.server and not os.path.isdir(args.cwd):
+            raise Refused(f"--cwd {args.cwd} is not a folder")
+        notebook = ipynb.inject(notebook, args.parameters)
         # The cells run in the notebook's folder, as in Jupyter.
         folder = os.path.abspath(args.cwd or os.path.dirname(os.path.abspath(args.notebook)))
         request = NotebookRequest(os.path.abspath(args.notebook), ipynb.code_cells(notebook),
                                   order=args.order, rerun=args.rerun,
                                   exec_id=f"run-{os.getpid()}-{os.urandom(4).hex()}",
-                                  cwd=folder, allow_errors=args.allow_errors)
-        progress = Progress(len(request.cells))
+                                  cwd=folder, allow_errors=args.allow_errors,
+                                  parameters=args.parameters or None, timeout=args.timeout,
+                                  cell_timeout=args.cell_timeout)
+        progress = Progress(len(request.cells), request.cells)
         if args.server:
             record = _through_server(args, request, progress)
         else:
             record = _here(args, settings, request, progress)
         progress.done(record)
-        ipynb.write(ipynb.executed(notebook, _by_index(record, request)),
-                    args.output or args.notebook)
+        ipynb.write(ipynb.executed(notebook, _by_index(record, request),
+                                   record.language_info), output)
     except (Refused, ipynb.NotebookFileError) as exc:
-        print(f"{PROG}: error: {exc}", file=sys.stderr)
+        print(f"{_prog(args)}: error: {exc}", file=sys.stderr)
         return EXIT_BAD_INPUT
     except OSError as exc:
-        print(f"{PROG}: error: cannot write the notebook: {exc}", file=sys.stderr)
+        print(f"{_prog(args)}: error: cannot write the notebook {output}: "
+              f"{exc.strerror or exc}", file=sys.stderr)
         return EXIT_FAILED
-    print(f"wrote {args.output or args.notebook}", file=sys.stderr)
+    print(f"wrote {output}", file=sys.stderr)
     fine = {CellStatus.RAN, CellStatus.REUSED, CellStatus.FAILED_AS_EXPECTED}
     if args.allow_errors:
         fine.add(CellStatus.FAILED)
@@ -77,7 +93,7 @@ def _here(args, settings, request, progress):
     from snapkernel.storage.store import StoreError, StoreHeld, claim_store
     data_dir = settings["server.data_dir"]
     try:
-        lock = claim_store(data_dir, f"`{PROG} {args.notebook}` (pid {os.getpid()})")
+        lock = claim_store(data_dir, f"`{_prog(args)} {args.notebook}` (pid {os.getpid()})")
     except StoreHeld as exc:
         raise Refused(f"{exc}. Run through it with --server URL (its token in --token or "
                       f"SNAPSHOT_KERNEL_TOKEN), or stop it first") from None
@@ -110,7 +126,8 @@ def _through_server(args, request, progress):
         raise Refused(f"--server: {exc}") from None
     body = {"notebook": request.notebook, "order": request.order, "rerun": request.rerun,
             "exec_id": request.exec_id, "cwd": request.cwd,
-            "allow_errors": request.allow_errors,
+            "allow_errors": request.allow_errors, "parameters": request.parameters,
+            "timeout": request.timeout, "cell_timeout": request.cell_timeout,
             "cells": [{"id": c.id, "source": c.source, "tags": list(c.tags)}
                       for c in request.cells]}
 
@@ -127,8 +144,8 @@ def _through_server(args, request, progress):
     try:
         return drive(start, lambda: client.interrupt(request.exec_id), progress)
     except ServerError as exc:
-        if exc.status is None:
-            raise Refused(f"cannot reach the server at {args.server}: {exc}") from None
+        if exc.status is None:  # the client's message names the server
+            raise Refused(str(exc)) from None
         raise Refused(f"the server answered {exc.status}: {exc}") from None
 
 
@@ -141,13 +158,14 @@ def _run_fresh(args, settings):
         run_, receipt = drive(
             lambda on_cell: fresh_file.run_file(args.notebook, args.output, args.fresh,
                                                 settings, adopt_orphans=True,
-                                                on_cell=on_cell, cancel=cancel),
+                                                on_cell=on_cell, cancel=cancel,
+                                                parameters=args.parameters or None),
             cancel.set, progress)
     except fresh.Refused as exc:
-        print(f"{PROG}: error: {exc}", file=sys.stderr)
+        print(f"{_prog(args)}: error: {exc}", file=sys.stderr)
         return EXIT_BAD_INPUT
     except OSError as exc:
-        print(f"{PROG}: error: cannot write the receipt {args.fresh.receipt}: "
+        print(f"{_prog(args)}: error: cannot write the receipt {args.fresh.receipt}: "
               f"{exc.strerror}", file=sys.stderr)
         return EXIT_BAD_INPUT
     counts = receipt["counts"]
@@ -155,6 +173,8 @@ def _run_fresh(args, settings):
                   f"{counts['completed']} cell(s) ran, {counts['failed']} failed, "
                   f"{counts['skipped']} skipped, in {receipt['seconds']:.2f} s. "
                   f"{receipt['message']}")
+    if receipt["success"] and args.output is None:
+        progress.note("no notebook written: -o names where the executed one goes")
     return fresh_exit_status(run_)
 
 
@@ -197,9 +217,11 @@ def drive(start, interrupt, progress):
 class Progress:
     """Progress on stderr: a bar on a terminal, a line per finished cell otherwise."""
 
-    def __init__(self, total):
-        """For a notebook of `total` code cells (None: not known yet)."""
+    def __init__(self, total, cells=()):
+        """For a notebook of `total` code cells (None: not known yet), the request's
+        `cells` (protocol.NotebookCell) giving their positions."""
         self.total = total
+        self.numbers = {c.id: c.index + 1 for c in cells}
         self.started = time.monotonic()
         self.bar = tqdm(total=total, unit="cell", file=sys.stderr, dynamic_ncols=True,
                         leave=False) if sys.stderr.isatty() else None
@@ -210,9 +232,9 @@ class Progress:
             return
         if cell.status == CellStatus.RUNNING:
             if self.bar is not None:
-                self.bar.set_postfix_str(f"{cell.id}: running", refresh=True)
+                self.bar.set_postfix_str(f"{self.name(cell)}: running", refresh=True)
             return
-        line = f"{cell.id}: {cell.status}"
+        line = f"{self.name(cell)}: {cell.status}"
         if cell.status in (CellStatus.RAN, CellStatus.FAILED, CellStatus.FAILED_AS_EXPECTED):
             line += f" in {cell.took_s:.2f} s"
         if cell.status != CellStatus.RAN and cell.error:
@@ -224,6 +246,12 @@ class Progress:
         if cell.status in (CellStatus.FAILED, CellStatus.BLOCKED):
             self.bar.write(line, file=sys.stderr)
         self.bar.set_postfix_str(line[:60], refresh=True)
+
+    def name(self, cell):
+        """How a progress line names a cell: its number in the notebook (all cells
+        counted, from 1, as papermill's bar counts them) and its id."""
+        number = self.numbers.get(cell.id, cell.index + 1)
+        return f"cell {number} ({cell.id})"
 
     def note(self, text):
         """A message between progress lines."""

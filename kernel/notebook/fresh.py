@@ -42,7 +42,8 @@ import time
 
 from snapkernel.kernel import protocol
 from snapkernel.kernel.errors import InvalidRequest
-from snapkernel.kernel.notebook import environment, processes, receipt
+from snapkernel.kernel.notebook import environment, ipynb, parameters as params, processes
+from snapkernel.kernel.notebook import receipt
 from snapkernel.kernel.protocol import SKIP_TAGS, CellStatus, ExecuteAnswer, NotebookRun
 from snapkernel.kernel.server.registry import Registry
 from snapkernel.kernel.worker.process import worker_env
@@ -318,6 +319,7 @@ class FreshRun:
                 cell.status = CellStatus.RUNNING
                 self.running_exec = f"fresh-{cell.index}"
             started = time.monotonic()
+            busy = protocol.timing_stamp()
             try:
                 answer = self.registry.execute(cell.source, self.running_exec, state, cell.id)
             except Exception as exc:  # the machinery failed (the store, a worker's start)
@@ -327,6 +329,7 @@ class FreshRun:
                 if self.abandoned:
                     return
                 cell.took_s = round(time.monotonic() - started, 3)
+                cell.execution = protocol.timings(busy, protocol.timing_stamp())
                 self._record(cell, answer)
                 self.running_exec = None
             if self.on_cell:
@@ -458,11 +461,18 @@ def run_request(request, settings, on_cell=None):
     run's NotebookRun, with its receipt; InvalidRequest for bad input.
 
     The notebook comes as its code cells; its source SHA-256 in the receipt
-    is over their ids, sources and skip flags. `on_cell(cell)` is called as
+    is over their ids, sources and skip flags (the injected parameters' cell
+    among them). `on_cell(cell)` is called as
     each cell ends. Fresh runs keep no state, so
     every `state_name` and `key` is null.
     """
     options = request.fresh
+    try:
+        params.check(request.parameters or {})
+    except params.ParameterError as exc:
+        raise InvalidRequest(str(exc)) from None
+    request = dataclasses.replace(request, cells=params.inject(request.cells,
+                                                               request.parameters))
     ids = set()
     for cell in request.cells:
         if cell.id in ids:
@@ -481,5 +491,7 @@ def run_request(request, settings, on_cell=None):
         request.notebook, run.cells, exec_id=request.exec_id, running=False,
         started=run.started_at, finished=run.ended_at,
         order=[c.id for c in run.cells if c.status in (CellStatus.RAN, CellStatus.FAILED)],
+        language_info=None if run.interpreter is None else ipynb.language_info(
+            run.interpreter["python_version"]),
         receipt=receipt.build(run, {"path": None, "sha256": source_digest(run.cells)},
-                              cwd=options.cwd))
+                              cwd=options.cwd, parameters=request.parameters))

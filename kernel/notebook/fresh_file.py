@@ -15,7 +15,7 @@ import hashlib
 import os
 
 from snapkernel.kernel import files
-from snapkernel.kernel.notebook import ipynb, receipt
+from snapkernel.kernel.notebook import ipynb, parameters as params, receipt
 from snapkernel.kernel.notebook.fresh import FreshRun, Limits, Refused
 
 # Categories that say the command was asked for something it will not do (exit status 2).
@@ -39,12 +39,9 @@ def _same(a, b):
 
 def _check_writable(path, what):
     """Refused(BAD_INPUT) unless a file can be written at `path` (`what` names it)."""
-    folder = os.path.dirname(os.path.abspath(path))
-    if not os.path.isdir(folder) or not os.access(folder, os.W_OK):
-        raise Refused("BAD_INPUT", f"cannot write the {what} {path}: its folder does not "
-                                   f"exist or is not writable")
-    if os.path.isdir(path):
-        raise Refused("BAD_INPUT", f"the {what} {path} is a folder")
+    problem = files.unwritable(path, what)
+    if problem:
+        raise Refused("BAD_INPUT", problem)
 
 
 def _check_receipt_path(path, others):
@@ -64,7 +61,7 @@ def _check_output_path(source, output):
 
 
 def run_file(source, output, options, settings, adopt_orphans=False, on_cell=None,
-             cancel=None):
+             cancel=None, parameters=None):
     """Run the notebook at `source` fresh, writing the executed notebook to `output`
     (None: nowhere); returns the finished FreshRun and its receipt.
 
@@ -73,7 +70,8 @@ def run_file(source, output, options, settings, adopt_orphans=False, on_cell=Non
     before anything else, when no receipt can be written at
     `options.receipt` (None: no receipt file). `on_cell(cell)` is called as
     each cell ends; `adopt_orphans` and `cancel` are FreshRun's (`adopt_orphans`
-    for the command line only).
+    for the command line only). `parameters` go into the notebook as papermill
+    puts them (kernel/notebook/parameters.py); the receipt records them.
     """
     run = FreshRun([], settings, options, adopt_orphans=adopt_orphans, on_cell=on_cell,
                    cancel=cancel)
@@ -90,6 +88,11 @@ def run_file(source, output, options, settings, adopt_orphans=False, on_cell=Non
         except ipynb.NotebookFileError as exc:
             raise Refused("BAD_INPUT", str(exc)) from None
         source_info["sha256"] = hashlib.sha256(data).hexdigest()
+        try:
+            params.check(parameters or {})
+        except params.ParameterError as exc:
+            raise Refused("BAD_INPUT", str(exc)) from None
+        notebook = ipynb.inject(notebook, parameters)
         run.cells = ipynb.code_cells(notebook)
         if output is not None:
             _check_output_path(source, output)
@@ -110,7 +113,7 @@ def run_file(source, output, options, settings, adopt_orphans=False, on_cell=Non
     if run.category is None:
         _finish(run, source, source_info, notebook, output, output_info, options.overwrite)
     built = receipt.build(run, source_info, output_info, lock_info,
-                          shown(run.cwd) if run.cwd else None)
+                          shown(run.cwd) if run.cwd else None, parameters)
     if options.receipt is not None:
         receipt.write(built, options.receipt)
     return run, built
@@ -121,7 +124,8 @@ def _finish(run, source, source_info, notebook, output, output_info, overwrite):
     tmp = None
     try:
         if output is not None:
-            data = ipynb.dumps(ipynb.executed(notebook, run.cells))
+            data = ipynb.dumps(ipynb.executed(notebook, run.cells, ipynb.language_info(
+                run.interpreter["python_version"])))
             tmp = files.stage(output, data)
         try:
             unchanged = files.sha256_file(source) == source_info["sha256"]

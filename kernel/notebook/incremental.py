@@ -26,14 +26,17 @@ of them, never tear the store), and the cells run again.
 
 import contextlib
 import dataclasses
+import math
 import threading
 import time
 import uuid
 
 from snapkernel.kernel.errors import Conflict, InvalidRequest, KernelError, NotebookNotFound
-from snapkernel.kernel.notebook import analysis, graph as graph_mod, keys as keys_mod, planner
+from snapkernel.kernel.notebook import analysis, graph as graph_mod, ipynb, keys as keys_mod
+from snapkernel.kernel.notebook import parameters as params, planner
 from snapkernel.kernel.server.registry import check_folder
-from snapkernel.kernel.protocol import ORDERS, WITH_RESULT, CellStatus, NotebookRun, error, now
+from snapkernel.kernel.protocol import (ORDERS, WITH_RESULT, CellStatus, NotebookRun, error,
+                                        now, timing_stamp, timings)
 from snapkernel.storage.notebooks import NotebookStore
 from snapkernel.storage.store import StoreError, StoreFull
 
@@ -43,6 +46,18 @@ STATE_PREFIX = "nb-"
 def validate(request):
     """Check an incremental run's request; InvalidRequest naming the problem."""
     check_folder(request.cwd)
+    if request.parameters is not None:
+        try:
+            params.check(request.parameters)
+        except params.ParameterError as exc:
+            raise InvalidRequest(str(exc)) from None
+    for name, low in (("timeout", 0), ("cell_timeout", 0)):
+        value = getattr(request, name)
+        if value is not None and (not math.isfinite(value) or value < low or
+                                  (name == "timeout" and value == 0)):
+            raise InvalidRequest(f"{name} must be a number of seconds, more than 0"
+                                 f"{' (0: none)' if name == 'cell_timeout' else ''}, "
+                                 f"not {value}")
     if request.order not in ORDERS:
         raise InvalidRequest(f"unknown order {request.order!r}: use "
                              f"{' or '.join(repr(o) for o in ORDERS)}")
@@ -75,6 +90,10 @@ class _Run:
         self.sources = [c.source for c in request.cells]
         self.cwd = request.cwd
         self.allow_errors = request.allow_errors
+        self.cell_timeout = request.cell_timeout or None  # s; None: limits.cell_timeout_s
+        # The whole run's deadline (time.monotonic()), from when its cells start.
+        self.timeout = request.timeout
+        self.deadline = None
         self.stop = threading.Event()  # set by an interrupt
         self.results = {}  # cell key -> result, stored when the run ends
         self.last_final = []  # see NotebookRunner._last_final
@@ -152,9 +171,12 @@ class NotebookRunner:
         """Run `request` (protocol.NotebookRequest); returns the run's NotebookRun.
 
         `progress(cell)` is called with a copy of a cell (protocol.NotebookCell)
-        whenever its status changes.
+        whenever its status changes. Its parameters are injected into its cells
+        first (kernel/notebook/parameters.py): the record holds the injected cell.
         """
         validate(request)
+        request = dataclasses.replace(request, cells=params.inject(request.cells,
+                                                                   request.parameters))
         exec_id = str(request.exec_id) if request.exec_id is not None else \
             f"notebook-{uuid.uuid4().hex}"
         run = _Run(request, exec_id)
@@ -168,6 +190,9 @@ class NotebookRunner:
         try:
             self._plan(run, known, request)
             run.last_final = self._last_final(run.name)
+            run.record.language_info = ipynb.language_info()
+            if run.timeout is not None:
+                run.deadline = time.monotonic() + run.timeout
             self._cells(run, _Progress(self, run, progress))
             final = self._final(run)
             with self.lock:
@@ -243,7 +268,10 @@ class NotebookRunner:
         for i in plan.sequence:
             # Notebook order stops at the first failing cell, as Jupyter does: the cells
             # after it are not run, those that could not have run either.
-            if run.stop.is_set() or (failed and graph.kind == "notebook"):
+            # So does it with allow_errors after a cell that left no state (it timed out,
+            # its process died): the cells after it that need it are blocked.
+            if run.stop.is_set() or (failed and graph.kind == "notebook"
+                                     and not run.allow_errors):
                 done(i, status=CellStatus.NOT_RUN)
                 continue
             if i in graph.blocked:
@@ -262,7 +290,7 @@ class NotebookRunner:
                 # A stored expected failure keeps its error (its outputs show it).
                 done(i, status=CellStatus.REUSED, took_s=0.0, outputs=result["outputs"],
                      execution_count=result["execution_count"], state_name=result["state"],
-                     error=result.get("error"))
+                     error=result.get("error"), execution=result.get("execution"))
                 continue
             done(i, status=CellStatus.RUNNING)
             started = time.monotonic()
@@ -273,13 +301,20 @@ class NotebookRunner:
             answer, failure = self._execute(run, i, keep_live=after not in plan.run or
                                             after in graph.blocked, keep_on_error=may_fail)
             took = round(time.monotonic() - started, 6)
+            timed_out = failure is not None and failure["ename"] == "Timeout"
+            if timed_out and answer.get("state_name"):
+                # As nbclient's CellTimeoutError: the cell was interrupted, its state is
+                # not one a run can go on from.
+                self._forget(answer["state_name"])
+                answer["state_name"] = None
             went_on = failure is not None and may_fail and answer.get("state_name") and \
                 not run.stop.is_set()
             if failure is not None and not went_on:
                 failed.add(i)
                 done(i, status=CellStatus.FAILED, took_s=took,
                      outputs=answer.get("output") or [], error=failure,
-                     execution_count=answer.get("execution_count"))
+                     execution_count=answer.get("execution_count"),
+                     execution=answer.get("execution"))
                 continue
             state = answer["state_name"]
             run.states[i] = (state, answer["provenance"], set(answer["volatile_symbols"] or ()))
@@ -291,13 +326,15 @@ class NotebookRunner:
                 run.results[keys[i]] = _result(
                     keys[i], "cell", state, answer["provenance"], outputs=answer["output"],
                     execution_count=answer["execution_count"],
-                    volatile=answer["volatile_symbols"] or [], took_s=took, error=failure)
+                    volatile=answer["volatile_symbols"] or [], took_s=took, error=failure,
+                    execution=answer.get("execution"))
             if failure is None and expected:
                 self._note_no_error(run, i)
             status = CellStatus.RAN if failure is None else (
                 CellStatus.FAILED_AS_EXPECTED if expected else CellStatus.FAILED)
             done(i, status=status, took_s=took, outputs=answer["output"], error=failure,
-                 execution_count=answer["execution_count"], state_name=state)
+                 execution_count=answer["execution_count"], state_name=state,
+                 execution=answer.get("execution"))
 
     def _note_no_error(self, run, i):
         """Say in the run's diagnostics that cell i is tagged raises-exception but did
@@ -325,12 +362,25 @@ class NotebookRunner:
                 return {}, exc.error
             if run.stop.is_set():
                 return {}, error("KeyboardInterrupt", "the run was interrupted")
+            timeout, by_run = run.cell_timeout, False
+            if run.deadline is not None:
+                left = run.deadline - time.monotonic()
+                if left <= 0:
+                    run.stop.set()
+                    return {}, _run_timeout(run)
+                by_run = timeout is None or left < timeout
+                timeout = min(left, timeout or left)
+            busy = timing_stamp()
             answer = self.registry.execute(run.sources[i], run.exec_id, base,
                                            f"{STATE_PREFIX}{run.keys[i]}",
                                            keep_live=keep_live, cancel=run.stop,
                                            cwd=run.cwd, fresh_imports=True,
                                            keep_on_error=keep_on_error,
-                                           durable=False).to_json()
+                                           durable=False, timeout=timeout).to_json()
+            answer["execution"] = timings(busy, timing_stamp())
+            if by_run and (answer["error"] or {}).get("ename") == "Timeout":
+                run.stop.set()  # the rest of the run is past its deadline too
+                answer["error"] = _run_timeout(run)
             if answer["state_name"] is None:
                 return answer, answer["error"]
             answer["provenance"] = self._provenance(answer, base, provenance, run.keys[i],
@@ -475,12 +525,20 @@ class NotebookRunner:
 
 
 def _result(key, kind, state, provenance, outputs=(), execution_count=None, volatile=(),
-            took_s=None, error=None):
+            took_s=None, error=None, execution=None):
     """A stored result: what a cell with key `key` (or a composition) gave (`error`: the
-    error of a cell tagged raises-exception, which raised as expected)."""
+    error of a cell tagged raises-exception, which raised as expected; `execution`: the
+    cell's nbclient timings)."""
     return {"key": key, "kind": kind, "state": state, "outputs": list(outputs),
             "execution_count": execution_count, "volatile": list(volatile),
-            "provenance": provenance, "took_s": took_s, "created": now(), "error": error}
+            "provenance": provenance, "took_s": took_s, "created": now(), "error": error,
+            "execution": execution}
+
+
+def _run_timeout(run):
+    """The error of the cell running when the run's deadline passed."""
+    return error("Timeout", f"the run went past its timeout of {run.timeout:g} s; the "
+                            f"cells after this one did not run")
 
 
 class _ComposeFailed(Exception):

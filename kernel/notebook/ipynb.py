@@ -4,15 +4,22 @@ Reading and writing go through nbformat (version 4); every notebook run,
 incremental or fresh, reads and writes its file here. Cells without an id
 (nbformat before 4.5) get `cell-<index>`. The executed notebook keeps
 every cell and its source; code cells get the run's outputs and execution
-counts (a failing cell its error output too) and lose the timings an
-earlier run left in their metadata; cells that did not run have none.
+counts (a failing cell its error output too) as nbclient writes them:
+counts 1..N in notebook order over the cells that have a result, whatever
+was reused (an `execute_result` shows its cell's), nbclient's timings in
+`metadata.execution` (a reused cell: those of the run that made its
+result, and `metadata.snapkernel.reused` true), and the notebook's
+`metadata.language_info` from the interpreter that ran it. Cells that did
+not run have no count, no outputs and no timings.
 """
 
+import platform
 import warnings
 
 import nbformat
 
 from snapkernel.kernel import files
+from snapkernel.kernel.notebook import parameters as params
 from snapkernel.kernel.notebook.graph import is_parse_error
 from snapkernel.kernel.protocol import CellStatus, NotebookCell
 
@@ -62,11 +69,43 @@ def code_cells(notebook):
             for n, cell in enumerate(notebook.cells) if cell.cell_type == "code"]
 
 
-def executed(notebook, cells):
-    """A copy of `notebook` with the outputs and execution counts of the run's `cells`
-    (protocol.NotebookCell, by index), nbformat-valid."""
+def language_info(version=None):
+    """ipykernel's metadata.language_info for Python `version` (default: this one)."""
+    version = version or platform.python_version()
+    return {"name": "python", "version": version, "mimetype": "text/x-python",
+            "codemirror_mode": {"name": "ipython", "version": int(version.split(".")[0])},
+            "pygments_lexer": f"ipython{version.split('.')[0]}",
+            "nbconvert_exporter": "python", "file_extension": ".py"}
+
+
+def inject(notebook, parameters):
+    """A copy of `notebook` with `parameters` in a cell tagged injected-parameters where
+    papermill puts it (parameters.placement), and in metadata.papermill.parameters as
+    papermill records them; the notebook itself when there are none."""
+    if not parameters:
+        return notebook
     result = nbformat.from_dict(notebook)
+    how, at = params.placement(c.get("metadata", {}).get("tags", ()) for c in result.cells)
+    source = params.source(parameters)
+    if how == "replace":
+        result.cells[at].source = source
+    else:
+        cell = nbformat.v4.new_code_cell(source, id=params.unique_id(
+            {c.get("id") for c in result.cells}))
+        cell.metadata["tags"] = [params.INJECTED_TAG]
+        result.cells.insert(at, cell)
+    result.metadata.setdefault("papermill", {})["parameters"] = parameters
+    return result
+
+
+def executed(notebook, cells, language=None):
+    """A copy of `notebook` with the outputs, execution counts and timings of the run's
+    `cells` (protocol.NotebookCell, by index), nbformat-valid; `language` its
+    metadata.language_info (default: this interpreter's)."""
+    result = nbformat.from_dict(notebook)
+    result.metadata["language_info"] = language or language_info()
     by_index = {cell.index: cell for cell in cells}
+    count = 0
     for n, cell in enumerate(result.cells):
         if cell.cell_type != "code":
             continue
@@ -80,9 +119,21 @@ def executed(notebook, cells):
             outputs.append(nbformat.v4.new_output("error", ename=error["ename"],
                                                   evalue=error["evalue"],
                                                   traceback=error["traceback"]))
-        cell.outputs = outputs
-        cell.execution_count = ran.execution_count
         cell.metadata.pop("execution", None)  # the timings of an earlier run
+        cell.metadata.pop("snapkernel", None)
+        if ran.execution_count is None:
+            cell.execution_count = None
+        else:
+            count += 1
+            cell.execution_count = count
+            for output in outputs:
+                if output.output_type == "execute_result":
+                    output.execution_count = count
+        if ran.execution:
+            cell.metadata["execution"] = dict(ran.execution)
+        if ran.status == CellStatus.REUSED:
+            cell.metadata["snapkernel"] = {"reused": True}
+        cell.outputs = outputs
     nbformat.validate(result)
     return result
 

@@ -16,7 +16,7 @@ from snapkernel.kernel import __version__
 from snapkernel.kernel import files
 from snapkernel.kernel.protocol import FRESH_STATUSES, CellStatus
 
-FORMAT = 1
+FORMAT = 2  # 2: "parameters"
 
 # Why a run failed: exactly one of these, or null on success.
 CATEGORIES = ("SYNTAX_ERROR", "CELL_ERROR", "WORKER_DIED", "CELL_TIMEOUT", "RUN_TIMEOUT",
@@ -55,6 +55,8 @@ SCHEMA = {
         "output": _object({"path": {"type": "string"}, "sha256": _nullable(_SHA256),
                            "written": {"type": "boolean"}}, nullable=True),
         "lock": _object({"path": {"type": "string"}, "sha256": _SHA256}, nullable=True),
+        # The run's parameters as given (papermill's -p, -f, -y; the API's), null for none.
+        "parameters": {"type": ["object", "null"]},
         "kernel": _object({
             "executable": {"type": "string"},
             "interpreter_sha256": _SHA256,
@@ -113,12 +115,12 @@ def package():
     return {"name": "snapshot-kernel-server", "version": __version__}
 
 
-def build(run, source, output=None, lock=None, cwd=None):
+def build(run, source, output=None, lock=None, cwd=None, parameters=None):
     """The receipt of a finished FreshRun (kernel/notebook/fresh.py).
 
     `source` is {path, sha256}; `output` {path, sha256, written} or None when
     no executed notebook was asked for; `lock` {path, sha256} or None; `cwd`
-    the working directory as the receipt names it.
+    the working directory as the receipt names it; `parameters` the run's.
     """
     cells = run.cells
     def count(*statuses):
@@ -140,6 +142,7 @@ def build(run, source, output=None, lock=None, cwd=None):
         "source": source,
         "output": output,
         "lock": lock,
+        "parameters": parameters or None,
         "kernel": run.interpreter,
         "environment": {"variables": run.env_names, "cwd": cwd,
                         "expected_sha256": run.expected_environment},

@@ -23,9 +23,11 @@ from snapkernel.kernel.server.pool import WorkerError
 class CellRun:
     """One request in flight: its child and what the watchers did to it."""
 
-    def __init__(self, exec_id):
-        """Track request `exec_id` (None: not interruptible); no child yet."""
+    def __init__(self, exec_id, timeout=None):
+        """Track request `exec_id` (None: not interruptible) with its own cell timeout in
+        seconds (None: limits.cell_timeout_s); no child yet."""
         self.exec_id = exec_id
+        self.timeout = timeout
         self.child = None
         self.phase = "running"
         self.stopped = None  # (ename, evalue) once a watcher or /interrupt stopped it
@@ -43,7 +45,7 @@ class CellRuns:
         self.lock = threading.Lock()
         self.running = {}  # exec_id -> Run
 
-    def run(self, manifest, request, on_output=None, cancel=None):
+    def run(self, manifest, request, on_output=None, cancel=None, timeout=None):
         """Send `request` to a child of `manifest`'s state; (result message, child).
 
         The result is what the child answered (protocol.CellResult or
@@ -52,9 +54,10 @@ class CellRuns:
         `on_output(item)` receives streamed output items. `cancel` (an Event)
         already set when the request is registered stops it as an interrupt
         would: whoever sets it and then calls `interrupt` cannot miss it.
+        `timeout`: this cell's limit in seconds, instead of limits.cell_timeout_s.
         """
         key = request.exec_id
-        run = CellRun(key)
+        run = CellRun(key, timeout)
         with self.lock:
             if key is not None and key in self.running:
                 raise Conflict(f"exec_id {key!r} is already running")
@@ -120,8 +123,9 @@ class CellRuns:
                 self.pool.child_died(run.child.pid)
                 if run.stopped:
                     return request.failed(protocol.error(*run.stopped))
-                return request.failed(protocol.error("WorkerDied",
-                                                     f"the cell's process {status}"))
+                return request.failed(protocol.error(
+                    "WorkerDied", f"the cell's process {status}; the state it ran from is "
+                                  f"unchanged: fix the cell, then run it again"))
             if isinstance(msg, protocol.Phase):
                 run.phase = msg.phase
             elif isinstance(msg, protocol.Output):
@@ -138,13 +142,16 @@ class CellRuns:
 
     def _watch(self, run):
         """Enforce cell_timeout_s, max_cell_memory_mb and max_cell_processes on a cell."""
-        timeout = self.settings["limits.cell_timeout_s"]
+        timeout = run.timeout if run.timeout is not None else \
+            self.settings["limits.cell_timeout_s"]
         max_mem = self.settings["limits.max_cell_memory_mb"] * 2 ** 20
         max_procs = self.settings["limits.max_cell_processes"]
         if run.phase != "running" or run.stopped:
             return
         if timeout and time.monotonic() - run.started > timeout:
-            self._stop(run, "Timeout", f"the cell ran longer than cell_timeout_s = {timeout} s")
+            self._stop(run, "Timeout", f"the cell ran longer than cell_timeout_s = {timeout} s"
+                       if run.timeout is None else
+                       f"the cell ran longer than its timeout of {timeout:g} s")
         elif max_mem and private_bytes(run.child.pid) - run.private_before > max_mem:
             # Private pages the cell added: the state shared with the holder is not its.
             run.stopped = ("MemoryLimit", "the cell used more than max_cell_memory_mb = "

@@ -195,7 +195,7 @@ class Registry:
 
     def execute(self, code, exec_id, state_name, new_name=None, on_output=None,
                 keep_live=True, cancel=None, cwd=None, fresh_imports=False,
-                keep_on_error=False, durable=True, message_id=None):
+                keep_on_error=False, durable=True, message_id=None, timeout=None):
         """Run `code` from `state_name`; on success name the new state `new_name`.
 
         Returns the ExecuteAnswer; `on_output(item)` receives the outputs as
@@ -207,7 +207,8 @@ class Registry:
         a folder, else InvalidRequest. `fresh_imports`, `keep_on_error`,
         `message_id`: protocol.Execute's. `durable` False: the new state may be lost
         to a machine crash until something flushes the store (a notebook run's
-        states, made durable together when the run stores its results).
+        states, made durable together when the run stores its results). `timeout`:
+        the cell's limit in seconds instead of limits.cell_timeout_s (error Timeout).
         """
         manifest = self._lookup(state_name)
         with self.lock:
@@ -221,7 +222,7 @@ class Registry:
                                    stream=on_output is not None, keep_live=keep_live,
                                    home=cwd, fresh_imports=fresh_imports,
                                    keep_on_error=keep_on_error, message_id=message_id)
-        result, child = self.cell_runs.run(manifest, request, on_output, cancel)
+        result, child = self.cell_runs.run(manifest, request, on_output, cancel, timeout)
         answer = result.answer
         if answer.error is not None and self.closed:
             raise ServerStopping()  # its process was stopped with the others

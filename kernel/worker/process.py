@@ -95,6 +95,15 @@ def user_names(namespace):
     return {n for n in namespace if snapshot.is_user_name(n)}
 
 
+# What a signal that killed a process tells its user.
+_SIGNAL_HINTS = {
+    signal.SIGKILL: " (out of memory, or killed)",
+    **dict.fromkeys((signal.SIGSEGV, signal.SIGBUS, signal.SIGILL, signal.SIGFPE,
+                     signal.SIGABRT), " (a crash in native code: a C extension, ctypes, "
+                                      "a library's bug)"),
+}
+
+
 def status_text(status):
     """Describe a wait status: (the signal or exit code in words, the code)."""
     if os.WIFSIGNALED(status):
@@ -103,8 +112,8 @@ def status_text(status):
             name = signal.Signals(sig).name
         except ValueError:
             name = str(sig)
-        hint = " (out of memory, or killed)" if sig == signal.SIGKILL else ""
-        return f"killed by signal {name}{hint}", -sig
+        hint = _SIGNAL_HINTS.get(sig, "")
+        return f"was killed by signal {name}{hint}", -sig
     return f"exited with code {os.WEXITSTATUS(status)}", os.WEXITSTATUS(status)
 
 
