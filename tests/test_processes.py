@@ -354,14 +354,21 @@ def _forks(path, holder):
                    s["pid"] == holder.pid), key=lambda s: s["t"])
 
 
-def test_state_left_behind_by_a_run_in_order_gets_a_spare_once_quiet(make_server):
+def test_state_left_behind_by_a_run_in_order_gets_a_spare_once_quiet(make_server,
+                                                                     tmp_path):
     """The child that made a state is taken by the next cell without a replacement being
     forked at once (it would compete with that cell); once no cell has run for
     spare_after_quiet_s, the state's holder forks a spare, and a later cell runs in it."""
-    srv = make_server(config="[workers]\nhold_chain_steps = true\n"
+    path = tmp_path / "trace.jsonl"
+    srv = make_server(config=f'[server]\ntrace_file = "{path}"\n'
+                             "[workers]\nhold_chain_steps = true\n"
                              "spare_after_quiet_s = 0.3\n")
     holder = _leave_state_behind(srv, "left")
     spares = _children(holder)
+    # A cell sent before the server has the spare's hello is given a new fork instead
+    # (seen once on a loaded machine): wait until the spare is the server's.
+    wait_for(lambda: any(s["phase"] == "spare-ready" and int(s["exec"]) in spares
+                         for s in trace.read(path)), "the spare's hello at the server")
     pid, parent = _run_in(srv, "left")
     assert pid in spares and parent == holder.pid
 

@@ -225,6 +225,7 @@ class Pool:
                 live = self.live.get(hello.state_id)
                 if live is not None and live.alive():
                     live.spares.put(conn)
+                    trace.stamp("spare-ready", str(hello.pid))  # read by tests
                 elif hello.state_id in self.stopped_states:
                     conn.kill()  # forked just before its holder was evicted or retired
                 else:
