@@ -7,11 +7,12 @@ ways of passing the token (query parameter `token`, `Authorization: Bearer`).
 tells nothing secret, but "only /health is open" is a rule easy to check.
 """
 
-import copy
 import dataclasses
 
 from snapkernel.kernel import __version__
-from snapkernel.kernel.protocol import CELL_FIELDS, ORDERS, CellStatus, ExecuteAnswer, NotebookRun
+from snapkernel.kernel.notebook.environment import REFUSED_PARTS
+from snapkernel.kernel.protocol import (CELL_FIELDS, ORDERS, CellStatus, ExecuteAnswer,
+                                        FreshOptions, NotebookRequest, NotebookRun)
 from snapkernel.kernel.server.registry import MAX_NAME_BYTES
 
 MAX_NAME = 200
@@ -28,7 +29,7 @@ _ERROR = {
 
 STATE_NAME = {
     "type": "string", "minLength": 1, "maxLength": MAX_NAME,
-    "pattern": "^[^\\x00-\\x1f\\x7f-\\x9f\\ud800-\\udfff]*$",
+    "pattern": "^[^\\x00-\\x1f\\x7f-\\x9f]*$",
     "description": f"1 to {MAX_NAME} characters and at most {MAX_NAME_BYTES} bytes in "
                    f"UTF-8, no control characters; slashes and any Unicode are fine",
 }
@@ -38,10 +39,24 @@ _EXEC_ID = {"description": "Identifies the execution for /interrupt and 409 on r
             "oneOf": [{"type": "string"}, {"type": "integer"}]}
 
 _NAMES = {"type": "array", "items": {"type": "string"}}
-_CWD = {"type": "string", "nullable": True,
-        "description": "The notebook's folder (an absolute path on the server): the cell "
-                       "runs there, with the folder first on sys.path, unless an earlier "
-                       "cell of the state chose another; the states made from it keep it"}
+# A variable a fresh run may be given: a name, and none that may hold a secret.
+_ENV_NAME = {"type": "string", "pattern": "^[A-Za-z_][A-Za-z0-9_]*$",
+             "not": {"pattern": "|".join("".join(f"[{c}{c.lower()}]" for c in part)
+                                         for part in REFUSED_PARTS)},
+             "description": "An environment variable's name; none containing "
+                            f"{', '.join(REFUSED_PARTS)} (any case): it may hold a secret"}
+# The longest time limit a request may give, in seconds (a year): longer ones overflow
+# the clock's arithmetic.
+_MAX_SECONDS = 365 * 24 * 3600
+_CODE = {"type": "string", "description": "The cell's source (\"\" runs nothing)"}
+# A Python identifier, as far as a regular expression can say (str.isidentifier decides).
+_IDENTIFIER = {"type": "string", "pattern": "^[A-Za-z_][A-Za-z0-9_]*$",
+               "description": "each key must be a Python identifier (ASCII)"}
+_CWD = {"type": "string", "nullable": True, "pattern": "^/",
+        "description": "The notebook's folder (an absolute path to a folder on the server, "
+                       "else 400): the cell runs there, with the folder first on sys.path, "
+                       "unless an earlier cell of the state chose another; the states made "
+                       "from it keep it"}
 
 _MESSAGE_ID = {"type": "string", "nullable": True, "minLength": 1, "maxLength": 256,
                "pattern": STATE_NAME["pattern"],
@@ -183,10 +198,30 @@ _NOTEBOOK_NAME = [{"name": "name", "in": "path", "required": True, "schema": _ST
                    "description": "The notebook's name, percent-encoded"}]
 
 
-def _body(properties, required):
-    """A required JSON request body with these properties."""
-    return {"required": True, "content": {"application/json": {"schema": {
-        "type": "object", "properties": properties, "required": required}}}}
+def _body(properties, required, extra=None):
+    """A required JSON request body with these properties (and the `extra` keywords of
+    its schema)."""
+    return {"required": True, "content": {"application/json": {"schema": dict(
+        {"type": "object", "properties": properties, "required": required}, **(extra or {}))}}}
+
+
+# A notebook run takes the options of its kind only (kernel.protocol says which): with
+# "fresh": true, those of incremental runs are absent, null or false; without, those of
+# fresh runs are absent or null.
+_ONE_KIND_OF_RUN = {
+    "if": {"required": ["fresh"], "properties": {"fresh": {"const": True}}},
+    "then": {"properties": {k: {"enum": [None, False], "x-message": "not for a fresh run"}
+                            for k in NotebookRequest.INCREMENTAL_ONLY}},
+    "else": {"properties": {k: {"type": "null", "x-message": "only for a fresh run "
+                                                           "(\"fresh\": true)"}
+                            for k in FreshOptions.names(command=False, shared=False)}},
+}
+
+
+# What any request may be answered, before its route looks at it: a web page's request
+# (403: api/guard.py), a body that is not JSON (415), a request line and headers past
+# max_header_kb (431).
+_ANY_REQUEST = (403, 415, 431)
 
 
 def _answer(schema, description, errors=(400, 401), line=None):
@@ -196,7 +231,7 @@ def _answer(schema, description, errors=(400, 401), line=None):
     if line is not None:
         content["application/x-ndjson"] = {"schema": line}
     responses = {"200": {"description": description, "content": content}}
-    for status in errors:
+    for status in sorted(set(errors) | set(_ANY_REQUEST)):
         responses[str(status)] = {"$ref": f"#/components/responses/E{status}"}
     return responses
 
@@ -208,32 +243,50 @@ def _name_param():
                             "drop dot segments); a slash, plain or as %2F, is part of it"}]
 
 
+def json_schema(schema):
+    """A schema written with OpenAPI 3.0's `nullable` as JSON Schema (OpenAPI 3.1's):
+    nullable becomes a null type."""
+    if isinstance(schema, list):
+        return [json_schema(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {k: json_schema(v) for k, v in schema.items() if k != "nullable"}
+    if schema.get("nullable"):
+        if "type" in out:
+            out["type"] = [out["type"], "null"]
+        elif "oneOf" in out:
+            out["oneOf"] = out["oneOf"] + [{"type": "null"}]
+    return out
+
+
 def document(version=__version__):
-    """The OpenAPI 3.0 document of every route (a new dict on each call)."""
+    """The OpenAPI 3.1 document of every route (a new dict on each call)."""
     body_errors = (400, 401, 413)
     paths = {
         "/execute": {"post": {
             "summary": "Run a cell from a state; on success the new state is stored",
-            "requestBody": _body({"code": {"type": "string", "nullable": True},
+            "requestBody": _body({"code": _CODE,
                                   "exec_id": _EXEC_ID,
                                   "state_name": _STATE_NAME,
                                   "new_state_name": dict(_STATE_NAME, nullable=True),
                                   "stream": _STREAM, "cwd": _CWD,
                                   "message_id": _MESSAGE_ID},
-                                 ["exec_id", "state_name"]),
+                                 ["code", "exec_id", "state_name"]),
             "responses": _answer(_EXECUTE_ANSWER, "The cell's outputs and the new state's "
                                  "name; a missing input state is error StateNotFound",
                                  body_errors + (409, 500, 503, 507), _STREAM_LINE)}},
         "/multistate_execute": {"post": {
             "summary": "Run a cell with states under aliases; nothing is stored",
-            "requestBody": _body({"code": {"type": "string", "nullable": True},
+            "requestBody": _body({"code": _CODE,
                                   "exec_id": _EXEC_ID,
                                   "state_mapping": {
                                       "type": "object", "additionalProperties": _STATE_NAME,
-                                      "description": "Keys are Python identifiers"},
+                                      "propertyNames": _IDENTIFIER,
+                                      "description": "Keys are Python identifiers (the "
+                                                     "names the cell sees the states by)"},
                                   "default_state": dict(_STATE_NAME, nullable=True),
                                   "stream": _STREAM},
-                                 ["exec_id", "state_mapping"]),
+                                 ["code", "exec_id", "state_mapping"]),
             "responses": _answer(_EXECUTE_ANSWER, "The cell's outputs; state_name is null",
                                  body_errors + (409, 500, 503), _STREAM_LINE)}},
         "/states": {"get": {
@@ -348,11 +401,13 @@ def document(version=__version__):
                                               "the top if none is; it replaces a cell "
                                               "tagged injected-parameters). Names must be "
                                               "Python identifiers"},
-                "timeout": {"type": "number", "nullable": True,
+                "timeout": {"type": "number", "nullable": True, "exclusiveMinimum": 0,
+                            "maximum": _MAX_SECONDS,
                             "description": "Whole-run deadline in seconds: the running cell "
                                            "fails with Timeout, the rest do not run "
                                            "(default: none; fresh: fresh.timeout_s)"},
                 "cell_timeout": {"type": "number", "nullable": True, "minimum": 0,
+                                 "maximum": _MAX_SECONDS,
                                  "description": "Longest cell in seconds, 0 = none: it is "
                                                 "interrupted and fails with Timeout, "
                                                 "keeping no state (default: "
@@ -363,9 +418,9 @@ def document(version=__version__):
                                          "within limits, keeping no state; the answer adds "
                                          "the receipt. The options below are for fresh runs "
                                          "only"},
-                "env": dict(_NAMES, nullable=True,
-                            description="Variables of the server's environment passed to the "
-                                        "run (must be set; no secrets)"),
+                "env": {"type": "array", "nullable": True, "items": _ENV_NAME,
+                        "description": "Variables of the server's environment passed to the "
+                                       "run (each must be set there, else 400)"},
                 "cwd": dict(_CWD, description="The notebook's folder, absolute: the cells run "
                                               "there (a fresh run's default: a temporary "
                                               "folder)"),
@@ -373,7 +428,7 @@ def document(version=__version__):
                     "type": "string", "nullable": True, "pattern": "^[0-9a-f]{64}$",
                     "description": "Refuse to run unless the kernel's environment SHA-256 "
                                    "is this"}},
-                ["notebook", "cells"]),
+                ["notebook", "cells"], _ONE_KIND_OF_RUN),
             "responses": _answer(_NOTEBOOK_RECORD, "The run's record (a failed fresh run "
                                                    "answers 200 too: see its receipt)",
                                  body_errors + (409, 503, 507), _NOTEBOOK_LINE)}},
@@ -396,9 +451,12 @@ def document(version=__version__):
         "/health": {"get": {
             "summary": "Liveness; the only route without the token",
             "security": [],
-            "responses": {"200": {"description": "Up", "content": {"application/json": {
-                "schema": {"type": "object", "required": ["status"],
-                           "properties": {"status": {"type": "string"}}}}}}}}},
+            "responses": dict({"200": {"description": "Up", "content": {
+                "application/json": {"schema": {
+                    "type": "object", "required": ["status"],
+                    "properties": {"status": {"type": "string"}}}}}}},
+                **{str(status): {"$ref": f"#/components/responses/E{status}"}
+                   for status in _ANY_REQUEST})}},
         "/openapi.json": {"get": {
             "summary": "This document",
             "responses": _answer({"type": "object"}, "The OpenAPI document", (401,))}},
@@ -407,17 +465,27 @@ def document(version=__version__):
         "schema": {"$ref": "#/components/schemas/Error"}}}}
         for status, text in {400: "Bad input", 401: "No or wrong token",
                              404: "Unknown state or notebook", 409: "Conflict",
+                             403: "Refused: a web page's request (its Host or Origin "
+                                  "is not this server's: server.allowed_hosts, "
+                                  "server.allowed_origins)",
                              413: "Body larger than max_body_mb",
+                             415: "A body not sent as Content-Type: application/json",
+                             431: "Request line and headers larger than max_header_kb",
                              500: "StoreCorrupt: a stored value needed is damaged on disk "
                                   "(NewerFormat: written by a newer server)",
                              503: "Store unavailable, or the server is stopping",
                              507: "StoreFull: max_store_gb or the file system is full"}.items()}
-    return copy.deepcopy({
-        "openapi": "3.0.3",
+    return json_schema({
+        "openapi": "3.1.0",
         "info": {"title": "Snapshot kernel server", "version": version,
                  "description": "Runs notebook cells against named, immutable, persistent "
                                 "execution states. Every error is JSON "
-                                "{\"error\": {\"type\", \"message\"}}."},
+                                "{\"error\": {\"type\", \"message\"}}. A body is sent "
+                                "as Content-Type: application/json (415 otherwise), and "
+                                "its strings are valid Unicode (a lone surrogate escape "
+                                "is 400). A request from a web page of another origin, "
+                                "or naming another host (DNS rebinding), is refused 403 "
+                                "before its token is looked at (docs/api.md)."},
         "security": [{"bearer": []}, {"token": []}],
         "paths": paths,
         "components": {

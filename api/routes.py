@@ -21,7 +21,7 @@ import urllib.parse
 
 import bottle
 
-from snapkernel.api import openapi
+from snapkernel.api import guard, openapi
 from snapkernel.api.errors import BadRequest, PayloadTooLarge, status_of
 from snapkernel.api.validation import check_body, check_state_name
 from snapkernel.kernel import config as config_mod
@@ -139,13 +139,36 @@ class NDJSON:
         self.lines = lines
 
 
+def _refusal():
+    """The error answer refusing a request a web page may have sent (a foreign Host or
+    Origin: api/guard.py), or one whose body is not JSON; None when it may go on."""
+    settings = service.settings
+    message = guard.refusal(bottle.request.environ, app.config.get("bind_host"),
+                            settings["server.allowed_hosts"],
+                            settings["server.allowed_origins"])
+    if message is not None:
+        return _error_response(403, "Forbidden", message)
+    # A plain HTML form or a no-cors fetch can send text/plain, never application/json.
+    sent = bottle.request.content_length > 0 or "chunked" in \
+        bottle.request.environ.get("HTTP_TRANSFER_ENCODING", "").lower()
+    kind = bottle.request.content_type.split(";", 1)[0].strip().lower()
+    if sent and kind != "application/json":
+        return _error_response(415, "UnsupportedMediaType",
+                               f"the body must be sent as Content-Type: application/json, "
+                               f"not {kind or 'none'!r}")
+    return None
+
+
 def route(method, path, auth=True):
-    """Register a JSON route: auth, error mapping, JSON encoding."""
+    """Register a JSON route: the web-page checks, auth, error mapping, JSON encoding."""
     def wrap(handler):
         """Wrap `handler`, whose return value becomes the JSON body."""
         @functools.wraps(handler)
         def run(*args, **kwargs):
             """Answer one request."""
+            refused = _refusal()
+            if refused is not None:
+                return refused
             if auth and not _token_ok():
                 return _error_response(401, "Unauthorized", "missing or invalid token")
             try:
@@ -263,20 +286,12 @@ def path_name(name, prefix="/states/", what="the state name"):
 
 
 def notebook_request(data):
-    """The NotebookRequest of a checked POST /notebooks/run body; BadRequest for
-    options of the other kind of run."""
+    """The NotebookRequest of a checked POST /notebooks/run body (its schema refuses the
+    options of the other kind of run)."""
+    fresh = None
     if data.get("fresh"):
-        wrong = [k for k in NotebookRequest.INCREMENTAL_ONLY if data.get(k) not in (None, False)]
-        if wrong:
-            raise BadRequest(f"{', '.join(wrong)}: not for a fresh run")
         fresh = FreshOptions(**{k: data[k] for k in FreshOptions.names(command=False)
                                 if data.get(k) is not None})
-    else:
-        wrong = [k for k in FreshOptions.names(command=False, shared=False)
-                 if data.get(k) is not None]
-        if wrong:
-            raise BadRequest(f'{", ".join(wrong)}: only for a fresh run ("fresh": true)')
-        fresh = None
     cells = [NotebookCell(id=c["id"], source=c["source"], index=n,
                           tags=tuple(c.get("tags") or ()))
              for n, c in enumerate(data["cells"])]
@@ -301,7 +316,7 @@ def execute():
     """Run a cell from a state."""
     data = body("/execute")
     return answered(lambda on_output: service.registry.execute(
-        data.get("code") or "", data["exec_id"], data["state_name"],
+        data["code"], data["exec_id"], data["state_name"],
         data.get("new_state_name"), on_output=on_output, cwd=data.get("cwd"),
         message_id=data.get("message_id")), data.get("stream"))
 
@@ -311,7 +326,7 @@ def multistate_execute():
     """Run a cell with several states under aliases; nothing is stored."""
     data = body("/multistate_execute")
     return answered(lambda on_output: service.registry.multistate_execute(
-        data.get("code") or "", data["exec_id"], data["state_mapping"],
+        data["code"], data["exec_id"], data["state_mapping"],
         data.get("default_state"), on_output=on_output), data.get("stream"))
 
 

@@ -6,6 +6,7 @@ a new connection costs no thread until it sends something
 than in cheroot's single accept loop (`DeferredTls`).
 """
 
+import json
 import logging
 import os
 import re
@@ -14,7 +15,7 @@ import ssl
 import sys
 import threading
 
-from cheroot import wsgi
+from cheroot import errors, server as cheroot_server, wsgi
 from cheroot.ssl.builtin import BuiltinSSLAdapter
 
 from snapkernel.api.routes import app, service
@@ -27,6 +28,47 @@ _BACKLOG = 128
 _STOP_S = 10
 
 
+class BoundedRequest(cheroot_server.HTTPRequest):
+    """cheroot's request, whose request line and headers past server.max_header_kb are
+    answered 431, as JSON (cheroot's own answer is a plain-text 413 or 414)."""
+
+    def read_request_line(self):
+        """The request line, or False once answered 431."""
+        try:
+            return super().read_request_line()
+        except errors.MaxSizeExceeded:
+            return self._too_large("request line")
+
+    def read_request_headers(self):
+        """The headers, or False once answered 431."""
+        try:
+            return super().read_request_headers()
+        except errors.MaxSizeExceeded:
+            return self._too_large("headers")
+
+    def _too_large(self, what):
+        """Answer 431 and close the connection (the rest of the request is not read)."""
+        limit_kb = self.server.max_request_header_size // 1024
+        body = json.dumps({"error": {"type": "RequestHeaderFieldsTooLarge", "message": (
+            f"the request's {what} went past max_header_kb ({limit_kb} KiB): send a "
+            f"shorter URL or fewer, smaller headers (the code goes in the JSON body)")}})
+        self.close_connection = True
+        try:
+            self.conn.wfile.write(
+                b"HTTP/1.1 431 Request Header Fields Too Large\r\n"
+                b"Content-Type: application/json\r\nConnection: close\r\n"
+                b"Content-Length: %d\r\n\r\n%s" % (len(body), body.encode()))
+        except OSError:
+            pass  # the client went away
+        return False
+
+
+class BoundedConnection(cheroot_server.HTTPConnection):
+    """cheroot's connection, reading requests as BoundedRequest."""
+
+    RequestHandlerClass = BoundedRequest
+
+
 class DeferredServer(wsgi.Server):
     """cheroot, but a new connection costs no thread until it sends something.
 
@@ -36,6 +78,7 @@ class DeferredServer(wsgi.Server):
     connections do, and is closed there once idle for socket_timeout_s.
     """
 
+    ConnectionClass = BoundedConnection
     _queuing = False  # the main thread is handing a connection to the threads
     _leave_after = False  # a stop came meanwhile
 
@@ -104,6 +147,7 @@ def serve(host, port, settings, token, no_auth=False, pool=None):
     failed start leaves no store and no lock behind. `pool`: the worker pool, started
     already (see Registry); closed on a failed start."""
     app.config["token"] = token
+    app.config["bind_host"] = host
     app.config["no_auth"] = no_auth and not token
     service.use(settings)
     scheme = "https" if settings["server.certfile"] else "http"
@@ -111,6 +155,7 @@ def serve(host, port, settings, token, no_auth=False, pool=None):
                             numthreads=settings["server.server_threads"],
                             timeout=settings["server.socket_timeout_s"],
                             request_queue_size=_BACKLOG)
+    server.max_request_header_size = settings["server.max_header_kb"] * 1024
     try:
         if settings["server.certfile"] or settings["server.keyfile"]:
             try:

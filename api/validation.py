@@ -1,14 +1,14 @@
 """Request checks from the OpenAPI document's own schemas (JSON Schema).
 
 Each route's request body is validated against the schema that
-api/openapi.py publishes for it, so the document and the checks cannot
-drift apart. OpenAPI 3.0's `nullable` is turned into JSON Schema's
-`"type": [..., "null"]` first. fastjsonschema (which nbformat depends on)
+api/openapi.py publishes for it (OpenAPI 3.1: plain JSON Schema), so the
+document and the checks cannot drift apart. fastjsonschema (which nbformat depends on)
 compiles each schema into Python once, on first use: importing it costs a
 server start about 5 ms and checking a body microseconds.
 """
 
 import functools
+import re
 
 import fastjsonschema
 
@@ -16,27 +16,34 @@ from snapkernel.api import openapi
 from snapkernel.api.errors import BadRequest
 
 
-def _json_schema(schema):
-    """An OpenAPI 3.0 schema as plain JSON Schema (nullable -> a null type)."""
-    if isinstance(schema, list):
-        return [_json_schema(s) for s in schema]
-    if not isinstance(schema, dict):
-        return schema
-    out = {k: _json_schema(v) for k, v in schema.items() if k != "nullable"}
-    if schema.get("nullable"):
-        if "type" in out:
-            out["type"] = [out["type"], "null"]
-        elif "oneOf" in out:
-            out["oneOf"] = out["oneOf"] + [{"type": "null"}]
-    return out
-
-
 def _compile(schema):
     """A function that raises JsonSchemaValueException when its argument does not fit.
 
     use_default=False: a check must never fill defaults into the request.
     """
-    return fastjsonschema.compile(_json_schema(schema), use_default=False)
+    return fastjsonschema.compile(schema, use_default=False)
+
+
+# A lone surrogate: what a JSON escape such as "\\ud800" or a path's invalid UTF-8 decodes
+# to. Refused everywhere (I-JSON, RFC 7493), rather than by each schema: no schema pattern
+# can say it in a way every JSON Schema tool reads alike.
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def _lone_surrogate(data):
+    """True if any string of the JSON value `data` (keys too) holds a lone surrogate."""
+    stack = [data]
+    while stack:
+        value = stack.pop()
+        if isinstance(value, str):
+            if _SURROGATE.search(value):
+                return True
+        elif isinstance(value, dict):
+            stack.extend(value)
+            stack.extend(value.values())
+        elif isinstance(value, list):
+            stack.extend(value)
+    return False
 
 
 @functools.cache
@@ -49,7 +56,7 @@ def _validator(path, method):
 @functools.cache
 def _state_name_validator():
     """The validator of one state name."""
-    return _compile(openapi.STATE_NAME)
+    return _compile(openapi.json_schema(openapi.STATE_NAME))
 
 
 def _message(error, what):
@@ -65,6 +72,10 @@ def _message(error, what):
             (" is missing" if len(missing) == 1 else " are missing")
     if error.rule == "pattern" and error.rule_definition == openapi.STATE_NAME["pattern"]:
         return f"{field} must not contain control characters"
+    if isinstance(error.definition, dict) and "x-message" in error.definition:
+        return f"{field}: {error.definition['x-message']}"  # the schema's own words
+    if error.rule == "propertyNames":
+        return f"{field}: {error.rule_definition.get('description', 'a key is not allowed')}"
     if error.rule == "oneOf" and all("type" in d for d in error.rule_definition):
         return f"{field} must be " + " or ".join(d["type"] for d in error.rule_definition)
     # fastjsonschema names the value "data.a.b"; say which field instead.
@@ -74,6 +85,9 @@ def _message(error, what):
 
 def check_body(path, method, data):
     """Raise BadRequest unless `data` fits the request schema of `method path`."""
+    if _lone_surrogate(data):
+        raise BadRequest("the body holds a lone surrogate (a \\ud800 to \\udfff escape "
+                         "outside a pair): strings must be valid Unicode")
     try:
         _validator(path, method)(data)
     except fastjsonschema.JsonSchemaValueException as error:
@@ -82,6 +96,8 @@ def check_body(path, method, data):
 
 def check_state_name(value, what):
     """Raise BadRequest unless `value` is a valid state name; return it."""
+    if _SURROGATE.search(value):
+        raise BadRequest(f"{what} must be valid UTF-8")
     try:
         _state_name_validator()(value)
     except fastjsonschema.JsonSchemaValueException as error:

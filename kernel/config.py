@@ -81,6 +81,11 @@ def load(path=None, overrides=None):
     for key in ("workers.spare_after_quiet_s", "workers.chain_step_s"):
         if flat[key] < 0:
             raise ConfigError(f"{key} must be 0 or more")
+    if flat["server.max_header_kb"] < 1:
+        raise ConfigError("server.max_header_kb must be 1 or more")
+    for key in ("server.allowed_hosts", "server.allowed_origins"):
+        if not all(isinstance(item, str) for item in flat[key]):
+            raise ConfigError(f"{key} must be a list of strings")
     if flat["display.figure_format"] not in ("png", "svg", "retina"):
         raise ConfigError("display.figure_format must be 'png', 'svg' or 'retina'")
     for key in PATH_SETTINGS:

@@ -265,6 +265,13 @@ class Registry:
             generation = self.generation
         base = self.manifest(input_state)
         source = self.manifest(source_state)
+        for field, names, manifest, state in (("source_vars", source_vars, source, source_state),
+                                              ("input_vars", input_vars, base, input_state)):
+            unknown = sorted({n for n in names if n not in manifest["variables"]})
+            if unknown:
+                raise InvalidRequest(f"{field}: state {state!r} has no variable "
+                                     f"{', '.join(map(repr, unknown[:10]))}"
+                                     f"{', ...' if len(unknown) > 10 else ''}")
         request = protocol.Rebuild(source_manifest=source, source_vars=source_vars,
                                    input_vars=input_vars,
                                    new_name=new_name or uuid.uuid4().hex,

@@ -436,23 +436,39 @@ def run_cell(cell, namespace, execution_count, settings, sink=None, events=True)
             with contextlib.suppress(BaseException):
                 manager.__exit__(None, None, None)
             result = collector.result()
-            error = _cap_error(error, settings["display.max_mime_chars"])
+            error = _cap_error(error, settings["display.max_output_bytes"])
     return result, error
 
 
 def _cap_error(error, limit):
-    """Cut an enormous exception message or traceback entry, with a visible marker."""
+    """Cut an enormous error to `limit` bytes of text in all (UTF-8, its message and its
+    traceback together, with visible markers): the message takes at most half, and the
+    traceback's entries what is left, in order (its last entry repeats the message)."""
     if error is None:
         return None
+    left = [limit]
 
-    def cut(text):
-        """One string cut to the limit."""
-        if len(text) <= limit:
+    def cut(text, most):
+        """`text` cut to `most` bytes, the budget spent."""
+        head = text[:most]  # a character is at least one byte: no need to encode the rest
+        size = len(head.encode("utf-8", "surrogatepass"))
+        if len(text) == len(head) and size <= most:
+            left[0] -= size
             return text
-        return text[:limit] + f"\n[truncated: {len(text) - limit:,} more characters]"
+        head = head.encode("utf-8", "surrogatepass")[:most].decode("utf-8", "ignore")
+        left[0] -= most
+        return head + f"\n[truncated: the error's text went past display.max_output_bytes=" \
+                      f"{limit:,}]"
 
-    return {"ename": error["ename"], "evalue": cut(error["evalue"]),
-            "traceback": [cut(t) for t in error["traceback"]]}
+    evalue = cut(error["evalue"], limit // 2)
+    traceback = []
+    for n, entry in enumerate(error["traceback"]):
+        if left[0] <= 0:
+            traceback.append(f"[truncated: {len(error['traceback']) - n:,} more traceback "
+                             f"entries]")
+            break
+        traceback.append(cut(entry, left[0]))
+    return {"ename": error["ename"], "evalue": evalue, "traceback": traceback}
 
 
 def _safe_error(exc, execution_count):
