@@ -11,7 +11,8 @@ import dataclasses
 
 from snapkernel.kernel import __version__
 from snapkernel.kernel.notebook.environment import REFUSED_PARTS
-from snapkernel.kernel.protocol import (CELL_FIELDS, ORDERS, CellStatus, ExecuteAnswer,
+from snapkernel.kernel.protocol import (CELL_FIELDS, ORDERS, STATE_KINDS, CellStatus,
+                                        ExecuteAnswer,
                                         FreshOptions, NotebookRequest, NotebookRun)
 from snapkernel.kernel.server.registry import MAX_NAME_BYTES
 
@@ -291,6 +292,13 @@ def document(version=__version__):
                                  body_errors + (409, 500, 503), _STREAM_LINE)}},
         "/states": {"get": {
             "summary": "Every state name, oldest first",
+            "parameters": [{"name": "kind", "in": "query", "required": False,
+                            "schema": {"type": "string", "enum": list(STATE_KINDS),
+                                       "default": "all"},
+                            "description": "all (the default: what the reference server "
+                                           "and Plainbook expect); user: leave out the "
+                                           "states notebook runs made (nb- and the cell's "
+                                           "64-hex key); notebook: only those"}],
             "responses": _answer({"type": "object", "required": ["states"],
                                   "properties": {"states": _NAMES}}, "The names")}},
         "/states/{name}": {

@@ -27,7 +27,8 @@ from snapkernel.api.validation import check_body, check_state_name
 from snapkernel.kernel import config as config_mod
 from snapkernel.kernel import trace
 from snapkernel.kernel.errors import ServerStopping
-from snapkernel.kernel.protocol import FreshOptions, NotebookCell, NotebookRequest
+from snapkernel.kernel.protocol import (STATE_KINDS, FreshOptions, NotebookCell, NotebookRequest,
+                                        is_notebook_state)
 from snapkernel.kernel.server.registry import Registry
 from snapkernel.storage.store import claim_store
 
@@ -332,8 +333,15 @@ def multistate_execute():
 
 @route("GET", "/states")
 def list_states():
-    """Every state name."""
-    return {"states": service.registry.list_states()}
+    """Every state name (?kind=user: not those notebook runs made; ?kind=notebook: only
+    those)."""
+    kind = bottle.request.query.get("kind", "all")
+    if kind not in STATE_KINDS:
+        raise BadRequest(f"kind must be {', '.join(STATE_KINDS)}, not {kind!r}")
+    names = service.registry.list_states()
+    if kind != "all":
+        names = [n for n in names if is_notebook_state(n) == (kind == "notebook")]
+    return {"states": names}
 
 
 @route("GET", "/states/<name:path>")

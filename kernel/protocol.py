@@ -28,6 +28,7 @@ import dataclasses
 import datetime
 import enum
 import json
+import re
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -258,6 +259,16 @@ FRESH_STATUSES = (CellStatus.RAN, CellStatus.FAILED, CellStatus.SKIPPED, CellSta
 # A cell with one of these holds a stored result (its outputs live there).
 WITH_RESULT = (CellStatus.RAN, CellStatus.REUSED, CellStatus.FAILED_AS_EXPECTED)
 ORDERS = ("notebook", "dataflow")
+# What GET /states?kind= lists: every state (the default), the user's, notebook runs'.
+STATE_KINDS = ("all", "user", "notebook")
+# A notebook run names the state of each cell's result by the cell's key (SHA-256, hex).
+NOTEBOOK_STATE_PREFIX = "nb-"
+_NOTEBOOK_STATE = re.compile(f"{NOTEBOOK_STATE_PREFIX}[0-9a-f]{{64}}")
+
+
+def is_notebook_state(name):
+    """True for the name of a state a notebook run made (nb-KEY)."""
+    return _NOTEBOOK_STATE.fullmatch(name) is not None
 # Tags that make a fresh run skip a cell, as nbclient's users tag them.
 SKIP_TAGS = ("no-execute", "skip-execution")
 # The tag of a cell that may raise without stopping a run (nbclient's, papermill's).

@@ -110,7 +110,7 @@ def parse_args(argv):
                     "the newest states. 'initial' is never deleted, nor a state a notebook "
                     "record or stored cell result needs. With no rule, only "
                     "unreferenced blobs are deleted. Refuses (exit 2) while a server runs "
-                    "on the store.",
+                    "on the store, except with --dry-run, which reads one snapshot of it.",
         epilog="Examples: --unreachable --older-than 1d; --match 'scratch-*' --keep-last 5; "
                "--older-than 30d --dry-run; --compact (blobs only, then shrink the file).")
     p.add_argument("--data-dir", help="folder of the store (default: server.data_dir of the "
@@ -303,19 +303,80 @@ def run(args, out=print):
     data_dir = os.path.abspath(args.data_dir or settings["server.data_dir"])
     if not os.path.isfile(os.path.join(data_dir, DATA_FILE)):
         raise Refused(f"no store at {data_dir} (no {DATA_FILE} there); pass --data-dir")
+    if args.dry_run:
+        # Read-only, from one read transaction: it cannot change a byte, so it needs no
+        # lock, and a server writing meanwhile changes nothing of what it sees.
+        store = Store(data_dir)
+        store.env = Snapshot(store.env)
+        try:
+            return _collect(store, data_dir, args, out)
+        finally:
+            store.env.close()
     try:
         lock = claim_store(data_dir, f"scripts/gc_states.py (pid {os.getpid()})")
     except StoreHeld as exc:
-        raise Refused(f"{exc}; stop it first, then rerun") from None
+        raise Refused(f"{exc}; stop it, then run again (--dry-run works while it "
+                      f"serves)") from None
     try:
-        # A dry run opens the store read-only: it cannot change a byte.
-        store = Store(data_dir, None if args.dry_run else settings)
+        store = Store(data_dir, settings)
         try:
             return _collect(store, data_dir, args, out)
         finally:
             store.env.close()
     finally:
         lock.close()
+
+
+class Snapshot:
+    """A read-only LMDB environment whose every transaction is one and the same read
+    transaction, begun when it is made: whatever the store's methods read through it is
+    one consistent snapshot of the store (LMDB's MVCC), however many transactions they
+    begin and whatever a server commits meanwhile. Values are bytes."""
+
+    def __init__(self, env):
+        """Begin the snapshot of `env`."""
+        self._env = env
+        self._txn = env.begin()
+
+    def begin(self, db=None, write=False, buffers=False):
+        """The snapshot, as a transaction whose default database is `db`."""
+        if write:
+            raise StoreError("a dry run does not write")
+        return _SnapshotView(self._txn, db)
+
+    def close(self):
+        """End the snapshot and close the environment."""
+        self._txn.abort()
+        self._env.close()
+
+    def __getattr__(self, name):
+        """Everything else is the environment's (open_db, info, ...)."""
+        return getattr(self._env, name)
+
+
+class _SnapshotView:
+    """The snapshot's transaction, reading `db` unless told another."""
+
+    def __init__(self, txn, db):
+        self._txn, self._db = txn, db
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+    def get(self, key, default=None, db=None):
+        """A value of the snapshot."""
+        return self._txn.get(key, default, db=db or self._db)
+
+    def cursor(self, db=None):
+        """A cursor over the snapshot."""
+        return self._txn.cursor(db=db or self._db)
+
+    def stat(self, db):
+        """A database's statistics in the snapshot."""
+        return self._txn.stat(db)
 
 
 def notebook_plan(notebooks, manifests, older_than, now):

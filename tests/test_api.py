@@ -102,7 +102,8 @@ def test_missing_and_mistyped_fields(server):
     # The message names the field and what is wrong with it.
     messages = {
         "field 'exec_id' is missing": {"code": "1", "state_name": "initial"},
-        "field 'code' must be string or null": bad[2],
+        "field 'code' must be string": bad[2],
+        "field 'code' is missing": {"exec_id": "x", "state_name": "initial"},
         "field 'exec_id' must be string or integer": bad[3],
         "field 'new_state_name' must not contain control characters":
             {"code": "1", "exec_id": "x", "state_name": "initial", "new_state_name": "a\nb"},

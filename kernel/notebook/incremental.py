@@ -35,12 +35,12 @@ from snapkernel.kernel.errors import Conflict, InvalidRequest, KernelError, Note
 from snapkernel.kernel.notebook import analysis, graph as graph_mod, ipynb, keys as keys_mod
 from snapkernel.kernel.notebook import parameters as params, planner
 from snapkernel.kernel.server.registry import check_folder
-from snapkernel.kernel.protocol import (ORDERS, WITH_RESULT, CellStatus, NotebookRun, error,
-                                        now, timing_stamp, timings)
+from snapkernel.kernel.protocol import (NOTEBOOK_STATE_PREFIX, ORDERS, WITH_RESULT, CellStatus,
+                                        NotebookRun, error, now, timing_stamp, timings)
 from snapkernel.storage.notebooks import NotebookStore
 from snapkernel.storage.store import StoreError, StoreFull
 
-STATE_PREFIX = "nb-"
+STATE_PREFIX = NOTEBOOK_STATE_PREFIX
 
 
 def validate(request):
