@@ -77,9 +77,8 @@ def _serve_options(p):
 
 def _data_dir_option(p):
     """--data-dir, its help naming the folder the store is in by default."""
-    p.add_argument("--data-dir", help=f"folder of the state store (default: "
-                                      f"{config_mod.default_data_dir()}, or server.data_dir "
-                                      f"in --config)")
+    p.add_argument("--data-dir", help=f"folder of the state store "
+                                      f"({config_mod.data_dir_help()})")
 
 
 def _run_options(p):

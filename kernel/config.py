@@ -40,6 +40,12 @@ def default_data_dir():
     return os.path.join(base, "snapshot-kernel", "store")
 
 
+def data_dir_help():
+    """What a --data-dir flag's help says of its default: the folder itself."""
+    return (f"default: server.data_dir of --config if it sets one, else "
+            f"{default_data_dir()}")
+
+
 def load(path=None, overrides=None):
     """Return the flat configuration {section.key: value}.
 

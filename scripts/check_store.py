@@ -57,8 +57,8 @@ def parse_args(argv):
         description="Check that every state's blobs exist and hash (SHA-256 of the "
                     "decompressed payload) to their keys. Exit 0 if sound, 1 with the list "
                     "of problems. Safe while a server runs (read-only).")
-    p.add_argument("--data-dir", help="folder of the store (default: server.data_dir of the "
-                                      "configuration)")
+    p.add_argument("--data-dir",
+                   help=f"folder of the store ({config_mod.data_dir_help()})")
     p.add_argument("--config", help="a TOML file overriding config.toml (for the default "
                                     "data_dir, and store.remote)")
     p.add_argument("--remote", action="store_true",

@@ -113,8 +113,8 @@ def parse_args(argv):
                     "on the store, except with --dry-run, which reads one snapshot of it.",
         epilog="Examples: --unreachable --older-than 1d; --match 'scratch-*' --keep-last 5; "
                "--older-than 30d --dry-run; --compact (blobs only, then shrink the file).")
-    p.add_argument("--data-dir", help="folder of the store (default: server.data_dir of the "
-                                      "configuration)")
+    p.add_argument("--data-dir",
+                   help=f"folder of the store ({config_mod.data_dir_help()})")
     p.add_argument("--config", help="a TOML file overriding config.toml (for the default "
                                     "data_dir and max_store_gb)")
     p.add_argument("--older-than", type=parse_age, metavar="AGE",

@@ -4,10 +4,12 @@
 import json
 import os
 import re
+import subprocess
+import sys
 
 import requests
 
-from conftest import run_script
+from conftest import ROOT, run_script
 
 
 def test_origin_and_host_headers_are_checked_before_the_token(server):
@@ -117,3 +119,13 @@ def test_gc_dry_run_and_check_store_while_the_server_runs(make_server):
     assert real.returncode == 2 and "--dry-run works while it serves" in real.stderr, \
         real.stderr
     assert "s2" in srv.get("/states").json()["states"]
+
+
+def test_data_dir_help_names_the_real_default_folder(tmp_path):
+    env = dict(os.environ, XDG_DATA_HOME=str(tmp_path), COLUMNS="1000")  # one line each
+    folder = str(tmp_path / "snapshot-kernel" / "store")
+    for argv in (["main.py", "serve", "--help"], ["scripts/gc_states.py", "--help"],
+                 ["scripts/check_store.py", "--help"]):
+        out = subprocess.run([sys.executable, *argv], cwd=ROOT, env=env, capture_output=True,
+                             text=True, timeout=60).stdout
+        assert f"else {folder})" in out, (argv, out)
