@@ -162,11 +162,13 @@ def test_dunder_main_and_name(server):
 
 def test_deep_recursion_traceback_is_collapsed_and_huge_messages_cut(make_server):
     """Repeated frames are counted, not repeated; an enormous message is cut with a marker."""
-    srv = make_server(config="[display]\nmax_mime_chars = 1000\n")
-    r = run(srv, "def f(n):\n    return f(n + 1)\nf(0)", "raise ValueError('v' * 5000)")
+    srv = make_server(config="[display]\nmax_output_bytes = 20000\n")
+    r = run(srv, "def f(n):\n    return f(n + 1)\nf(0)", "raise ValueError('v' * 50000)")
     tb = r[0]["error"]["traceback"]
     assert len(tb) < 12 and "skipping similar frames: f at line 2" in tb[-2]
-    assert len(r[1]["error"]["evalue"]) < 1100 and "truncated" in r[1]["error"]["evalue"]
+    # The message takes at most half of max_output_bytes, the traceback the rest.
+    assert len(r[1]["error"]["evalue"]) < 10100 and "truncated" in r[1]["error"]["evalue"]
+    assert sum(map(len, r[1]["error"]["traceback"])) < 10100
 
 
 def test_indented_and_prompted_cells_as_in_jupyter(server):
