@@ -129,3 +129,14 @@ def test_data_dir_help_names_the_real_default_folder(tmp_path):
         out = subprocess.run([sys.executable, *argv], cwd=ROOT, env=env, capture_output=True,
                              text=True, timeout=60).stdout
         assert f"else {folder})" in out, (argv, out)
+
+
+def test_a_fresh_run_may_be_given_a_year(server):
+    """The longest timeout the document allows (found by the fuzzer: the environment
+    probe's wait overflowed epoll's milliseconds, a 500 OverflowError)."""
+    r = server.post("/notebooks/run", {"notebook": "year", "fresh": True,
+                                       "timeout": 3.1e7, "cell_timeout": 3.1e7,
+                                       "cells": [{"id": "a", "source": "6 * 7"}]})
+    assert r.status_code == 200, r.text
+    (cell,) = r.json()["cells"]
+    assert cell["status"] == "ran" and cell["outputs"][0]["data"]["text/plain"] == "42"

@@ -98,6 +98,11 @@ def explicit(home, tmp, configured, requested, source=None):
     return env
 
 
+# The probe's longest wait, whatever the run's deadline: subprocess waits in epoll, whose
+# timeout (int milliseconds) overflows past 24.8 days, and a run may be given a year.
+_PROBE_MAX_S = 24 * 3600
+
+
 class ProbeFailed(RuntimeError):
     """The kernel's interpreter could not be started in the run's environment."""
 
@@ -115,7 +120,7 @@ def interpreter_identity(env, cwd, timeout):
     try:
         done = subprocess.run(launch.command(_PROBE), env=env, cwd=cwd,
                               stdin=subprocess.DEVNULL, capture_output=True,
-                              timeout=max(timeout, 0.01))
+                              timeout=min(max(timeout, 0.01), _PROBE_MAX_S))
     except OSError as exc:
         raise ProbeFailed(f"cannot start {sys.executable}: {exc.strerror}") from None
     if done.returncode != 0:
