@@ -8,6 +8,7 @@ tells nothing secret, but "only /health is open" is a rule easy to check.
 """
 
 import dataclasses
+import keyword
 
 from snapkernel.kernel import __version__
 from snapkernel.kernel.notebook.environment import REFUSED_PARTS
@@ -403,6 +404,8 @@ def document(version=__version__):
                                                 "after it see what it did before it raised. "
                                                 "Not for fresh runs"},
                 "parameters": {"type": "object", "nullable": True,
+                               "propertyNames": dict(_IDENTIFIER, **{"not": {
+                                   "enum": keyword.kwlist}}),
                                "description": "papermill's parameters {name: value}: a "
                                               "cell tagged injected-parameters assigning "
                                               "them follows the cell tagged parameters (at "

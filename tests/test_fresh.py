@@ -349,7 +349,7 @@ def test_fresh_run_over_http(server, tmp_path):
     r = server.post("/notebooks/run", {"notebook": "nb", "cells": [cells[0], cells[0]],
                                        "fresh": True})
     assert r.status_code == 400, r.text
-    assert "two cells have the id 'a'" in r.json()["error"]["message"]
+    assert "cell id 'a' appears more than once" in r.json()["error"]["message"]
     # The options of each kind of run are refused on the other.
     # (timeout and cell_timeout are for both: docs/papermill.md.)
     r = server.post("/notebooks/run", {"notebook": "nb", "cells": cells, "env": ["HOME"]})

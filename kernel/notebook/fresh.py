@@ -476,7 +476,7 @@ def run_request(request, settings, on_cell=None):
     ids = set()
     for cell in request.cells:
         if cell.id in ids:
-            raise InvalidRequest(f"two cells have the id {cell.id!r}")
+            raise InvalidRequest(f"cell id {cell.id!r} appears more than once")
         ids.add(cell.id)
     if options.cwd is not None and not os.path.isabs(options.cwd):
         raise InvalidRequest("cwd must be an absolute path on the server")
