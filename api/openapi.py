@@ -46,7 +46,10 @@ _ENV_NAME = {"type": "string", "pattern": "^[A-Za-z_][A-Za-z0-9_]*$",
              "not": {"pattern": "|".join("".join(f"[{c}{c.lower()}]" for c in part)
                                          for part in REFUSED_PARTS)},
              "description": "An environment variable's name; none containing "
-                            f"{', '.join(REFUSED_PARTS)} (any case): it may hold a secret"}
+                            f"{', '.join(REFUSED_PARTS)} (any case): it may hold a secret",
+             "x-message": "must be a variable's name containing none of "
+                          f"{', '.join(REFUSED_PARTS)} (any case): such a variable may hold "
+                          "a secret"}
 # The longest time limit a request may give, in seconds (a year): longer ones overflow
 # the clock's arithmetic.
 _MAX_SECONDS = 365 * 24 * 3600
