@@ -95,6 +95,11 @@ _ANSWER_FIELDS = {
     "deleted_symbols": _NAMES,
     "execution_count": {"type": "integer", "nullable": True},
     "volatile_symbols": _NAMES,
+    "files_read": {"type": "array", "items": {"type": "string"},
+                   "description": "Files the cell opened for reading (absolute paths; "
+                                  "the interpreter's and packages' own left out)"},
+    "files_written": {"type": "array", "items": {"type": "string"},
+                      "description": "Files the cell opened for writing"},
 }
 assert list(_ANSWER_FIELDS) == [f.name for f in dataclasses.fields(ExecuteAnswer)]
 _EXECUTE_ANSWER = {"type": "object", "required": list(_ANSWER_FIELDS),

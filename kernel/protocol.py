@@ -161,7 +161,7 @@ class ExecuteAnswer:
     """The answer of /execute and /multistate_execute, built here and nowhere else.
 
     Its fields are the JSON answer's keys, in the reference's order plus
-    ours (`execution_count`, `volatile_symbols`).
+    ours (`execution_count`, `volatile_symbols`, `files_read`, `files_written`).
     """
     output: list = field(default_factory=list)
     state_name: str | None = None
@@ -171,6 +171,9 @@ class ExecuteAnswer:
     deleted_symbols: list = field(default_factory=list)
     execution_count: int | None = None
     volatile_symbols: list = field(default_factory=list)
+    # The files the cell opened (kernel/worker/opened.py): absolute paths, sorted.
+    files_read: list = field(default_factory=list)
+    files_written: list = field(default_factory=list)
 
     @classmethod
     def failed(cls, error, execution_count=None):

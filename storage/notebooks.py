@@ -8,6 +8,9 @@ Two kinds of entries, by key prefix:
   the same key anywhere reuses it.
 - `notebook/<name>`: the record of a notebook's last run (per cell its
   key and status; outputs only for cells without a stored result).
+- `trace/<cell key before files>`: the files a cell with that key read and
+  wrote when it last ran, with what they held then (size, times and hash),
+  from which the next run finds the cell's key (kernel/notebook/inputs.py).
 
 Values are zstd-compressed JSON, as manifests are. Each write is one
 transaction: a notebook run writes its results and record together, at its
@@ -21,6 +24,7 @@ from snapkernel.storage.store import StoreFull, decode_manifest, encode_manifest
 DB = b"notebooks"
 _RESULT = b"result/"
 _NOTEBOOK = b"notebook/"
+_TRACE = b"trace/"
 
 
 class NotebookStore:
@@ -84,10 +88,17 @@ class NotebookStore:
         """{cell key: result} of every stored result."""
         return self._scan(_RESULT)
 
-    def put_run(self, results, name=None, record=None):
-        """Store a run's results ({cell key: result}) and, given a `name`, its record,
-        in one transaction (a commit is a flush to disk: one per run, not per cell)."""
+    def traces(self, keys):
+        """{cell key before files: trace} of the stored ones among `keys`."""
+        found = self._get(_TRACE + k.encode() for k in keys)
+        return {k[len(_TRACE):].decode(): v for k, v in found.items()}
+
+    def put_run(self, results, name=None, record=None, traces=None):
+        """Store a run's results ({cell key: result}), traces ({key: trace}) and, given a
+        `name`, its record, in one transaction (a commit is a flush to disk: one per
+        run, not per cell)."""
         puts = [(_RESULT + k.encode(), v) for k, v in results.items()]
+        puts += [(_TRACE + k.encode(), v) for k, v in (traces or {}).items()]
         if name is not None:
             puts.append((_NOTEBOOK + name.encode("utf-8", "surrogateescape"), record))
         self._write(puts=puts)

@@ -27,13 +27,14 @@ of them, never tear the store), and the cells run again.
 import contextlib
 import dataclasses
 import math
+import os
 import threading
 import time
 import uuid
 
 from snapkernel.kernel.errors import Conflict, InvalidRequest, KernelError, NotebookNotFound
-from snapkernel.kernel.notebook import analysis, graph as graph_mod, ipynb, keys as keys_mod
-from snapkernel.kernel.notebook import parameters as params, planner
+from snapkernel.kernel.notebook import analysis, graph as graph_mod, inputs, ipynb
+from snapkernel.kernel.notebook import keys as keys_mod, parameters as params, planner
 from snapkernel.kernel.server.registry import check_folder
 from snapkernel.kernel.protocol import (NOTEBOOK_STATE_PREFIX, ORDERS, WITH_RESULT, CellStatus,
                                         NotebookRun, error, now, timing_stamp, timings)
@@ -99,6 +100,7 @@ class _Run:
         self.last_final = []  # see NotebookRunner._last_final
         # The planning, filled in before the first cell is taken:
         self.analyses = self.graph = self.keys = self.stored = self.plan = None
+        self.statics = self.keyer = self.files = None  # keys before files; planner.CellKeys
         # position -> (state, provenance, volatile names) of each cell taken so far
         self.states = {}
         self.previous = None  # the cell taken last: its state is the next one's first base
@@ -113,6 +115,7 @@ class NotebookRunner:
         self.registry = registry
         self.store = NotebookStore(registry.store)
         self.environment = environment or keys_mod.Environment()
+        self.hashes = inputs.FileHashes()  # of the files cells read and write
         self.lock = threading.Lock()
         self.active = {}      # notebook name -> _Run
         self.by_exec = {}     # exec id -> _Run
@@ -199,13 +202,14 @@ class NotebookRunner:
                 run.record.state_name = final
                 run.record.running = False
                 run.record.finished = now()
-            self.store.put_run(run.results, run.name, run.record.stored_form())
+            self.store.put_run(run.results, run.name, run.record.stored_form(),
+                               run.files.new_traces)
             run.results = {}
             return run.record.copy()
         finally:
             if run.results:  # a run cut short keeps what its cells made
                 with contextlib.suppress(StoreError):
-                    self.store.put_run(run.results)
+                    self.store.put_run(run.results, traces=run.files.new_traces)
             with self.lock:
                 self.active.pop(run.name, None)
                 self.by_exec.pop(exec_id, None)
@@ -217,12 +221,18 @@ class NotebookRunner:
             self.analysed[run.name] = dict(zip(run.sources, run.analyses))
         ids = [c.id for c in run.record.cells]
         run.graph = graph_mod.build(ids, run.analyses, request.order)
-        run.keys = planner.cell_keys(run.graph, run.sources, run.analyses, self.environment,
+        notebook = request.notebook if os.path.isabs(request.notebook) else None
+        run.files = inputs.RunFiles(run.cwd, notebook, self.hashes, self.store)
+        run.keyer = planner.CellKeys(run.graph, run.sources, run.analyses, self.environment,
                                      run.cwd)
+        run.keys, run.statics = run.keyer.compute(run.files)
         run.stored = self._stored(k for k in run.keys.values() if k)
-        run.plan = planner.plan(run.graph, run.keys,
-                                {k: set(r["volatile"]) for k, r in run.stored.items()},
-                                [ids.index(r) for r in request.rerun])
+        volatile = {k: set(r["volatile"]) for k, r in run.stored.items()}
+        rerun = [ids.index(r) for r in request.rerun]
+        run.plan = planner.plan(run.graph, run.keys, volatile, rerun)
+        stale = run.files.stale_writers(run.graph.order, run.keys, run.statics, run.plan.run)
+        if stale - run.plan.run:
+            run.plan = planner.plan(run.graph, run.keys, volatile, rerun, refresh=stale)
         with self.lock:
             run.record.order = [ids[i] for i in run.plan.sequence]
             run.record.diagnostics = run.graph.diagnostics
@@ -283,8 +293,8 @@ class NotebookRunner:
                 done(i, status=CellStatus.BLOCKED, error=error(
                     "Blocked", f"needs cell {graph.ids[stuck[0]]!r}, which did not run"))
                 continue
-            if i not in plan.run:
-                result = stored[keys[i]]
+            result = None if i in plan.run else self._reusable(run, i)
+            if result is not None:
                 run.states[i] = (result["state"], result["provenance"], set(result["volatile"]))
                 run.previous = i
                 # A stored expected failure keeps its error (its outputs show it).
@@ -320,6 +330,7 @@ class NotebookRunner:
             run.states[i] = (state, answer["provenance"], set(answer["volatile_symbols"] or ()))
             run.previous = i
             expected = run.record.cells[i].may_raise
+            files = self._rekey(run, i, answer)
             if failure is None or expected:
                 # A failure allow_errors let pass is not a result: the next run tries
                 # the cell again (and so its dependents); an expected one is.
@@ -327,14 +338,40 @@ class NotebookRunner:
                     keys[i], "cell", state, answer["provenance"], outputs=answer["output"],
                     execution_count=answer["execution_count"],
                     volatile=answer["volatile_symbols"] or [], took_s=took, error=failure,
-                    execution=answer.get("execution"))
+                    execution=answer.get("execution"), files=files)
             if failure is None and expected:
                 self._note_no_error(run, i)
             status = CellStatus.RAN if failure is None else (
                 CellStatus.FAILED_AS_EXPECTED if expected else CellStatus.FAILED)
             done(i, status=status, took_s=took, outputs=answer["output"], error=failure,
                  execution_count=answer["execution_count"], state_name=state,
-                 execution=answer.get("execution"))
+                 execution=answer.get("execution"), key=keys[i])
+
+    def _reusable(self, run, i):
+        """The stored result cell i may reuse, under its key as it is now (a cell that
+        ran before it may have changed it), or None: the cell runs."""
+        key = run.keys[i]
+        if key not in run.stored:
+            run.stored.update(self._stored([key]))
+        return run.stored.get(key)
+
+    def _rekey(self, run, i, answer):
+        """Note the files cell i read and wrote as it ran, and key again it and the
+        cells not taken yet; returns its result's {"reads", "writes"} ({path: hash})."""
+        had = run.files.reads(i, run.statics[i]) or run.files.writes(i, run.statics[i],
+                                                                    run.keys[i])
+        files = run.files.record(i, run.statics[i], answer.get("files_read") or [],
+                                 answer.get("files_written") or [])
+        if not (had or files["reads"] or files["writes"]):
+            return files  # no key depends on files of this cell
+        taken = {p: (run.keys[p], run.statics[p]) for p in run.states if p != i}
+        found, static = run.keyer.compute(run.files, fixed=taken)
+        with self.lock:
+            for p, key in found.items():
+                if p not in taken:
+                    run.keys[p], run.statics[p] = key, static[p]
+                    run.record.cells[p].key = key
+        return files
 
     def _note_no_error(self, run, i):
         """Say in the run's diagnostics that cell i is tagged raises-exception but did
@@ -525,14 +562,15 @@ class NotebookRunner:
 
 
 def _result(key, kind, state, provenance, outputs=(), execution_count=None, volatile=(),
-            took_s=None, error=None, execution=None):
+            took_s=None, error=None, execution=None, files=None):
     """A stored result: what a cell with key `key` (or a composition) gave (`error`: the
     error of a cell tagged raises-exception, which raised as expected; `execution`: the
-    cell's nbclient timings)."""
+    cell's nbclient timings; `files`: the {"reads", "writes"} of the cell, {path: hash},
+    RunFiles.record)."""
     return {"key": key, "kind": kind, "state": state, "outputs": list(outputs),
             "execution_count": execution_count, "volatile": list(volatile),
             "provenance": provenance, "took_s": took_s, "created": now(), "error": error,
-            "execution": execution}
+            "execution": execution, **(files or {"reads": {}, "writes": {}})}
 
 
 def _run_timeout(run):

@@ -9,7 +9,13 @@ what the cell reads, and an import added to another cell changes only that
 cell's key. A cell that imports a module from the notebook's folder (a
 `helpers.py` beside it, or a package folder) also hashes that module's
 files, so an edit of `helpers.py` runs again the cells that import it and,
-through their keys, their dependents.
+through their keys, their dependents. A cell that opened files while it
+last ran also hashes what they hold (`file_key`; kernel/notebook/inputs.py).
+
+Every key hashes KEY_RULES, the version of these rules, so that a result
+stored under the rules of an older release (which may be wrong: before
+rules 2 a cell's key did not cover the files it read) is never handed back
+after an upgrade: the first run after it runs the cells again.
 """
 
 import hashlib
@@ -20,6 +26,12 @@ import platform
 import re
 import sys
 import threading
+
+# The version of the rules that make keys. Bump it whenever a change of those rules, or
+# of what a stored result holds, could make a result stored before wrong now: every key
+# changes, and no result stored under the old rules is looked up again. 2: the files a
+# cell reads are inputs of its key; the context of states is taken as a clean run has it.
+KEY_RULES = 2
 
 INTERPRETER = " ".join([platform.python_implementation(), sys.version,
                         f"hexversion {sys.hexversion:x}", sys.platform])
@@ -92,20 +104,34 @@ def _name_and_version(dist):
     return dist.metadata["Name"] or "", dist.version
 
 
-def cell_key(source, analysis, needs, input_keys, environment, folder=None):
-    """The key of a cell.
-
-    `needs` maps each name it needs to the key of the cell whose state gives
-    it (None: no cell does), `input_keys` are the keys of its inputs,
-    `environment` is the Environment and `folder` the notebook's folder.
-    """
-    parts = {"source": source, "interpreter": INTERPRETER,
-             "environment": environment.digest() if imports_third_party(analysis) else None,
-             "needs": sorted(needs.items()), "inputs": sorted(set(input_keys))}
+def cell_parts(source, analysis, environment, folder=None):
+    """What a cell's key hashes besides its inputs' keys: its source, the interpreter,
+    the rules, the installed distributions and local modules it imports (`environment`:
+    the Environment; `folder`: the notebook's)."""
+    parts = {"source": source, "interpreter": INTERPRETER, "rules": KEY_RULES,
+             "environment": environment.digest() if imports_third_party(analysis) else None}
     local = local_modules(analysis, folder)
     if local:
         parts["local_modules"] = local
-    return _sha(json.dumps(parts, sort_keys=True))
+    return parts
+
+
+def cell_key(parts, needs, input_keys):
+    """The key of a cell of `parts` (cell_parts) before the files it reads.
+
+    `needs` maps each name it needs to the key of the cell whose state gives
+    it (None: no cell does), `input_keys` are the keys of its inputs.
+    """
+    return _sha(json.dumps({**parts, "needs": sorted(needs.items()),
+                            "inputs": sorted(set(input_keys))}, sort_keys=True))
+
+
+def file_key(key, files):
+    """The key of a cell of key `key` (cell_key) that read `files` {path: what it
+    found: a content hash, or the key of the cell of the run that wrote it}."""
+    if not files:
+        return key
+    return _sha(json.dumps({"cell": key, "files": sorted(files.items()), "rules": KEY_RULES}))
 
 
 def local_modules(analysis, folder):
@@ -136,4 +162,5 @@ def local_modules(analysis, folder):
 
 def composition_key(sources):
     """The key of a state composed of names from other results ({name: key or None})."""
-    return _sha(json.dumps({"compose": sorted(sources.items()), "interpreter": INTERPRETER}))
+    return _sha(json.dumps({"compose": sorted(sources.items()), "interpreter": INTERPRETER,
+                            "rules": KEY_RULES}))

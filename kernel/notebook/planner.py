@@ -31,15 +31,55 @@ UNKNOWN = "?"
 def cell_keys(graph, sources, analyses, environment, folder=None):
     """{position: key} in execution order; None for a cell that cannot run. `folder`:
     the notebook's, whose module files the cells importing them hash too."""
-    found = {}
-    for i in graph.order:
-        if i in graph.blocked:
-            found[i] = None
-            continue
+    return CellKeys(graph, sources, analyses, environment, folder).compute()[0]
+
+
+class CellKeys:
+    """The keys of a notebook's cells, computed again as cells run and show which files
+    they read: what a key hashes but its inputs' keys is found once."""
+
+    def __init__(self, graph, sources, analyses, environment, folder=None):
+        """Key the cells of `graph` (see cell_keys)."""
+        self.graph = graph
+        self.parts = {i: keys_mod.cell_parts(sources[i], analyses[i], environment, folder)
+                      for i in graph.order if i not in graph.blocked}
+
+    def compute(self, files=None, fixed=None):
+        """({position: key}, {position: key before files}) in execution order; None for a
+        cell that cannot run.
+
+        `files` (kernel/notebook/inputs.py RunFiles) knows which files each
+        cell read and wrote when it last ran: a cell's key covers what the
+        files it read hold, or, for a file an earlier cell of the notebook
+        wrote, that cell's key and the bytes it left. `fixed`: {position: (key,
+        key before files)} of cells whose keys are settled (taken by the run).
+        """
+        graph = self.graph
+        found, static = {}, {}
+        written = {}  # path -> [key of the last cell so far that wrote it, its bytes]
+        for i in graph.order:
+            if i in graph.blocked:
+                found[i] = static[i] = None
+                continue
+            if fixed and i in fixed:
+                found[i], static[i] = fixed[i]
+            elif files is None:
+                found[i] = static[i] = self._static(i, found)
+                continue
+            else:
+                static[i] = self._static(i, found)
+                seen = {path: ["written", *written[path]] if path in written else
+                        files.content(path) for path in files.reads(i, static[i])}
+                found[i] = keys_mod.file_key(static[i], seen)
+            for path, digest in files.writes(i, static[i], found[i]).items():
+                written[path] = [found[i], digest]
+        return found, static
+
+    def _static(self, i, found):
+        """The key before files of cell i, given the keys `found` of the cells before."""
+        graph = self.graph
         needs = {n: None if p is None else found[p] for n, p in graph.needs[i].items()}
-        found[i] = keys_mod.cell_key(sources[i], analyses[i], needs,
-                                     [found[p] for p in graph.inputs[i]], environment, folder)
-    return found
+        return keys_mod.cell_key(self.parts[i], needs, [found[p] for p in graph.inputs[i]])
 
 
 @dataclasses.dataclass
@@ -51,10 +91,12 @@ class Plan:
     for_volatile: dict   # position -> the position whose run needs its volatile values
 
 
-def plan(graph, keys, stored, rerun=()):
+def plan(graph, keys, stored, rerun=(), refresh=()):
     """The Plan for a graph, its keys and `stored` {key: volatile names of the stored result}.
 
-    `rerun` are positions to run with everything downstream of them.
+    `rerun` are positions to run with everything downstream of them;
+    `refresh` are positions to run for their effect on files (what they
+    wrote is gone or changed), not their dependents for that.
     """
     forced = graph.downstream(rerun)
     run = set()
@@ -63,6 +105,7 @@ def plan(graph, keys, stored, rerun=()):
             continue
         if i in forced or keys[i] not in stored or graph.inputs[i] & run:
             run.add(i)
+    run |= set(refresh) - set(graph.blocked)
     for_volatile = {}
 
     def refresh(i):

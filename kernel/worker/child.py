@@ -19,7 +19,7 @@ import types
 from snapkernel.kernel import protocol, trace
 from snapkernel.kernel.channel import ChannelClosed
 from snapkernel.kernel.protocol import ExecuteAnswer
-from snapkernel.kernel.worker import context, execution, limits, reads, replay
+from snapkernel.kernel.worker import context, execution, limits, opened, reads, replay
 from snapkernel.kernel.worker.capture import comms
 from snapkernel.kernel.worker.process import fork_worker, threads_lost_on_fork, user_names
 from snapkernel.storage import serializer, snapshot
@@ -156,9 +156,13 @@ class CellChild:
         home = self.move_home(msg.home)
         if msg.fresh_imports:
             context.forget_changed_modules()
-        with comms.answering(msg.message_id):
-            outputs, error = limits.run_limited(cell, namespace, count, state.settings,
-                                                self.sink(msg))
+        opened.start()
+        try:
+            with comms.answering(msg.message_id):
+                outputs, error = limits.run_limited(cell, namespace, count, state.settings,
+                                                    self.sink(msg))
+        finally:
+            files_read, files_written = opened.stop()
         outputs = note + outputs
         trace.stamp("ran", msg.exec_id)
         after = user_names(namespace)
@@ -168,7 +172,8 @@ class CellChild:
         answer = ExecuteAnswer(output=outputs, error=error, execution_count=count,
                                accessed_symbols=sorted(found.reads & names_before),
                                modified_symbols=sorted(modified),
-                               deleted_symbols=sorted(deleted))
+                               deleted_symbols=sorted(deleted),
+                               files_read=files_read, files_written=files_written)
         if error is not None and not msg.keep_on_error:
             return None, protocol.CellResult(answer)
         context.watch_attribute_writes(cell.codes, namespace)

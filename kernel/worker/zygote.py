@@ -17,7 +17,7 @@ import signal
 
 from snapkernel.kernel import protocol, trace
 from snapkernel.kernel.channel import ChannelClosed
-from snapkernel.kernel.worker import context, limits
+from snapkernel.kernel.worker import context, limits, opened
 from snapkernel.kernel.worker.process import (PR_SET_CHILD_SUBREAPER, PR_SET_PDEATHSIG, WorkerProcess,
                                    fork_worker, fresh_main, prctl)
 from snapkernel.storage import remote
@@ -32,6 +32,7 @@ def zygote_main(sock_path, settings):
     trace.configure(settings, "zygote")
     context.remember_base()
     limits.init_zygote()
+    opened.install(settings["server.data_dir"])
     from snapkernel.kernel.worker import execution, holder  # every holder runs cells: imported once, here
     execution.capture.watch_imports()
     child_loads = holder.ChildLock("child-loads")  # shared by every holder of both zygotes
