@@ -11,8 +11,10 @@ cannot see what a C library opens by itself (HDF5, netCDF, pyarrow's own
 readers, SQLite), nor what a subprocess or a shell escape reads.
 
 A path counts as written when any open of it could change it (write,
-append, create, truncate, `r+`); a path the cell both read and wrote
-counts as written only. Left out: the interpreter's own files (the
+create, truncate, `r+`); a path the cell both read and wrote counts as
+written only. A file a cell only appends to (mode `'a'`: a log, a
+`logging.FileHandler`) is neither: a log is not an output to make again,
+and a cell that reads it is not keyed by what later runs add to it. Left out: the interpreter's own files (the
 standard library, installed packages, archives on `sys.path`), our
 package, compiled `__pycache__` files, `/proc`, `/dev`, `/sys`, `/etc`, the
 time zone database, the store, the caches and settings of libraries in the
@@ -88,7 +90,7 @@ def stop():
     if not events:
         return [], []
     cwd = _start_cwd
-    read, written = set(), set()
+    read, written, appended = set(), set(), set()
     for event, args in events:
         try:
             path = os.path.normpath(os.path.join(cwd, os.fsdecode(os.fspath(args[0]))))
@@ -99,11 +101,14 @@ def stop():
             continue
         flags = args[2] if isinstance(args[2], int) else 0
         mode = args[1] if isinstance(args[1], str) else ""
-        if flags & _WRITING or any(c in mode for c in "wax+"):
+        if flags & os.O_APPEND and not flags & (os.O_TRUNC | os.O_RDWR):
+            appended.add(path)
+        elif flags & _WRITING or any(c in mode for c in "wx+"):
             written.add(path)
         else:
             read.add(path)
-    read -= written
+    appended -= written
+    read -= written | appended
     # A folder is opened to make an unnamed temporary file in it (O_TMPFILE).
     return (sorted(p for p in read if _kept(p) and not os.path.isdir(p)),
             sorted(p for p in written if _kept(p) and os.path.lexists(p)
