@@ -101,9 +101,8 @@ class RunFiles:
 
     def portable(self, path):
         """A path as traces hold it: relative to the notebook's folder when inside it."""
-        if self.folder and (path + os.sep).startswith(self.folder.rstrip(os.sep) + os.sep):
-            return os.path.relpath(path, self.folder)
-        return path
+        prefix = self.folder.rstrip(os.sep) + os.sep if self.folder else None
+        return path[len(prefix):] if prefix and path.startswith(prefix) else path
 
     def trace(self, static):
         """The stored trace of a key before files, or None."""

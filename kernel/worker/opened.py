@@ -28,6 +28,7 @@ import sys
 import sysconfig
 
 _WRITING = os.O_WRONLY | os.O_RDWR | os.O_APPEND | os.O_CREAT | os.O_TRUNC
+_TMPFILE = getattr(os, "O_TMPFILE", 0) or -1
 _PACKAGE = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 # The events of the cell being recorded ([(event, args)]), None when none is.
@@ -63,8 +64,10 @@ def install(store_path=None):
     # (/usr, /usr/local) holds much more than Python, and is left to the paths above.
     if sys.prefix != sys.base_prefix:
         folders.add(sys.prefix)
-    _left_out = tuple(sorted({os.path.realpath(f).rstrip(os.sep) + os.sep
-                              for f in folders if f}))
+    # As given and with links resolved: a path a cell opens is not resolved (a
+    # realpath per open would cost more than the open).
+    _left_out = tuple(sorted({g.rstrip(os.sep) + os.sep for f in folders if f
+                              for g in (os.path.abspath(f), os.path.realpath(f))}))
     sys.addaudithook(_hook)
     _installed = True
 
@@ -100,6 +103,8 @@ def stop():
             cwd = path
             continue
         flags = args[2] if isinstance(args[2], int) else 0
+        if flags & _TMPFILE == _TMPFILE:  # an unnamed temporary file in a folder
+            continue
         mode = args[1] if isinstance(args[1], str) else ""
         if flags & os.O_APPEND and not flags & (os.O_TRUNC | os.O_RDWR):
             appended.add(path)
@@ -109,16 +114,12 @@ def stop():
             read.add(path)
     appended -= written
     read -= written | appended
-    # A folder is opened to make an unnamed temporary file in it (O_TMPFILE).
-    return (sorted(p for p in read if _kept(p) and not os.path.isdir(p)),
-            sorted(p for p in written if _kept(p) and os.path.lexists(p)
-                   and not os.path.isdir(p)))
+    return (sorted(p for p in read if _kept(p)),
+            sorted(p for p in written if _kept(p) and os.path.lexists(p)))
 
 
 def _kept(path):
     """Whether a path may be an input or output of the cell (not one left out)."""
     if "__pycache__" in path or path.endswith(".pyc"):
         return False
-    real = os.path.realpath(path)
-    return not (real + os.sep).startswith(_left_out) and \
-        os.path.dirname(real) != _PACKAGE
+    return not (path + os.sep).startswith(_left_out) and os.path.dirname(path) != _PACKAGE
