@@ -28,7 +28,6 @@ import sys
 import sysconfig
 
 _WRITING = os.O_WRONLY | os.O_RDWR | os.O_APPEND | os.O_CREAT | os.O_TRUNC
-_TMPFILE = getattr(os, "O_TMPFILE", 0) or -1
 _PACKAGE = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 # The events of the cell being recorded ([(event, args)]), None when none is.
@@ -103,8 +102,6 @@ def stop():
             cwd = path
             continue
         flags = args[2] if isinstance(args[2], int) else 0
-        if flags & _TMPFILE == _TMPFILE:  # an unnamed temporary file in a folder
-            continue
         mode = args[1] if isinstance(args[1], str) else ""
         if flags & os.O_APPEND and not flags & (os.O_TRUNC | os.O_RDWR):
             appended.add(path)
@@ -115,7 +112,9 @@ def stop():
     appended -= written
     read -= written | appended
     return (sorted(p for p in read if _kept(p)),
-            sorted(p for p in written if _kept(p) and os.path.lexists(p)))
+            # a folder is "written" to make an unnamed temporary file in it (O_TMPFILE)
+            sorted(p for p in written if _kept(p) and os.path.lexists(p)
+                   and not os.path.isdir(p)))
 
 
 def _kept(path):
