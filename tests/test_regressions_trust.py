@@ -87,8 +87,6 @@ def test_a_figure_after_classic_style_is_drawn_at_jupyters_size(make_server, fol
     assert png_sizes(run_server(srv, folder, cells, 2)[1]) == jupyter
 
 
-@pytest.mark.xfail(strict=True, reason="known defect (issue 41 item 3): files a cell reads "
-                   "are not part of its key; fixed on the branch tracking reads")
 def test_an_edited_data_file_is_read_again(make_server, folder):
     """[print(open('data.txt').read())]; data.txt edited; run again: the new text."""
     srv = make_server()
