@@ -412,8 +412,10 @@ def document(version=__version__):
                                                 "after it see what it did before it raised. "
                                                 "Not for fresh runs"},
                 "parameters": {"type": "object", "nullable": True,
-                               "propertyNames": dict(_IDENTIFIER, **{"not": {
-                                   "enum": keyword.kwlist}}),
+                               "propertyNames": dict(_IDENTIFIER, **{
+                                   "not": {"enum": keyword.kwlist},
+                                   "description": "each key must be a Python identifier "
+                                                  "(ASCII), not a keyword"}),
                                "description": "papermill's parameters {name: value}: a "
                                               "cell tagged injected-parameters assigning "
                                               "them follows the cell tagged parameters (at "

@@ -75,7 +75,11 @@ def _message(error, what):
     if isinstance(error.definition, dict) and "x-message" in error.definition:
         return f"{field}: {error.definition['x-message']}"  # the schema's own words
     if error.rule == "propertyNames":
-        return f"{field}: {error.rule_definition.get('description', 'a key is not allowed')}"
+        names = fastjsonschema.compile(error.rule_definition)
+        bad = [k for k in error.value if not _valid(names, k)] \
+            if isinstance(error.value, dict) else []
+        return (f"{field}: {', '.join(map(repr, bad))}: " if bad else f"{field}: ") + \
+            error.rule_definition.get("description", "a key is not allowed")
     if error.rule == "oneOf" and all("type" in d for d in error.rule_definition):
         return f"{field} must be " + " or ".join(d["type"] for d in error.rule_definition)
     # fastjsonschema names the value "data.a.b"; say which field instead.
@@ -103,3 +107,12 @@ def check_state_name(value, what):
     except fastjsonschema.JsonSchemaValueException as error:
         raise BadRequest(_message(error, what)) from None
     return value
+
+
+def _valid(check, value):
+    """Whether `value` passes the compiled schema `check`."""
+    try:
+        check(value)
+        return True
+    except fastjsonschema.JsonSchemaException:
+        return False

@@ -38,7 +38,7 @@ def run_nb(path, how, store, srv=None):
                           cwd=ROOT, capture_output=True, text=True, timeout=300,
                           stdin=subprocess.DEVNULL)
     assert done.returncode == 0, done.stderr
-    statuses = dict(re.findall(r"^(c\d+): (\w+)", done.stderr, re.MULTILINE))
+    statuses = dict(re.findall(r"^cell \d+ \((c\d+)\): (\w+)", done.stderr, re.MULTILINE))
     return statuses, {c.id: text(c).strip() for c in code_cells(path)}
 
 
