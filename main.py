@@ -3,6 +3,7 @@
     main.py [serve] --bind HOST:PORT --token TOKEN ...   the server (api/server.py)
     main.py run NB.ipynb ...                            run a notebook (kernel/notebook/command.py)
     main.py install-kernelspec ...                      the Jupyter kernel (kernel/jupyter/kernelspec.py)
+    main.py fleet --servers N ...                       servers and HAProxy on one machine (kernel/fleet.py)
 
 Serving is the default: the reference's command line (options only) starts
 the server. Installed, this is the console command `snapshot-kernel`.
@@ -21,7 +22,7 @@ import sys
 from snapkernel.kernel import config as config_mod
 from snapkernel.kernel.protocol import ORDERS, FreshOptions
 
-COMMANDS = ("serve", "run", "install-kernelspec")
+COMMANDS = ("serve", "run", "install-kernelspec", "fleet")
 
 
 def __getattr__(name):
@@ -40,7 +41,7 @@ def parser():
     p = argparse.ArgumentParser(
         description="Snapshot kernel: a server that runs notebook cells against named, "
                     "immutable, persistent states")
-    commands = p.add_subparsers(dest="command", metavar="{serve,run,install-kernelspec}")
+    commands = p.add_subparsers(dest="command", metavar="{serve,run,install-kernelspec,fleet}")
     _serve_options(commands.add_parser(
         "serve", help=f"serve the HTTP API (the default: `{p.prog} --bind ...` serves)",
         description="Serve the HTTP API until SIGTERM or Ctrl-C"))
@@ -57,7 +58,29 @@ def parser():
         "install-kernelspec", help="make the Jupyter kernel known to Jupyter",
         description="Install the Jupyter kernelspec of the snapshot kernel (display name "
                     "\"Python (snapshot)\")"))
+    _fleet_options(commands.add_parser(
+        "fleet", help="N servers on one bucket and HAProxy in front, on this machine",
+        description="Start N servers (each with its cache DATA_ROOT/server-K) and HAProxy "
+                    "in front of them (deploy/haproxy.cfg), in the foreground; a server "
+                    "that exits is started again; SIGTERM or Ctrl-C stops them all. The "
+                    "servers share the bucket of --config's [store] remote"))
     return p
+
+
+def _fleet_options(p):
+    """The options of `fleet`."""
+    p.add_argument("--servers", type=int, default=2, help="how many (default %(default)s)")
+    p.add_argument("--bind", default="127.0.0.1:8080",
+                   help="HOST:PORT of HAProxy, where clients connect (default %(default)s)")
+    p.add_argument("--token", default=os.environ.get("SNAPSHOT_KERNEL_TOKEN"),
+                   help="the servers' token (default: $SNAPSHOT_KERNEL_TOKEN)")
+    p.add_argument("--config", help="the servers' TOML file (shared.toml: [store] remote ...)")
+    p.add_argument("--data-root", required=True,
+                   help="folder of the servers' caches and logs, and HAProxy's configuration")
+    p.add_argument("--drain-s", type=float, default=3.0,
+                   help="each server's server.drain_s (default %(default)s)")
+    p.add_argument("--stats-port", type=int, help="port of HAProxy's status page on "
+                                                   "127.0.0.1 (default: a free one)")
 
 
 def _serve_options(p):
@@ -69,6 +92,10 @@ def _serve_options(p):
                    help="serve without a token (loopback binds only)")
     _data_dir_option(p)
     p.add_argument("--config", help="a TOML file overriding config.toml")
+    p.add_argument("--server-id", help="this server's name in a fleet (server.id; default "
+                                       "HOSTNAME:PORT)")
+    p.add_argument("--drain-s", type=float, help="seconds a SIGTERM drains before the stop "
+                                                 "(server.drain_s)")
     p.add_argument("--display-max-rows", type=int, help="pandas display.max_rows")
     p.add_argument("--display-max-columns", type=int, help="pandas display.max_columns")
     p.add_argument("--display-max-colwidth", type=int, help="pandas display.max_colwidth")
@@ -226,6 +253,23 @@ def setup_logging(log_file, verbose):
                         format="%(asctime)s %(levelname)s %(message)s")
 
 
+def _fleet(args):
+    """Run `fleet`; its exit status (2 and the problem when it cannot start)."""
+    from snapkernel.kernel import fleet
+    host, _, port = args.bind.rpartition(":")
+    if not host or not port.isdigit():
+        refuse(args, f"--bind must be HOST:PORT, not {args.bind!r}")
+    if not args.token:
+        refuse(args, "no token: pass --token or set SNAPSHOT_KERNEL_TOKEN")
+    if args.servers < 1:
+        refuse(args, f"--servers must be 1 or more, not {args.servers}")
+    settings_of(args)  # the servers' configuration, refused here if it is wrong
+    try:
+        return fleet.run(args)
+    except fleet.FleetError as exc:
+        refuse(args, str(exc))
+
+
 def is_loopback(host):
     """True for a loopback bind address."""
     if host == "localhost":
@@ -247,6 +291,8 @@ def main(argv=None):
         settings = settings_of(args)
         setup_logging(settings["server.log_file"], args.verbose)
         sys.exit(command.run(args, settings))
+    if args.command == "fleet":
+        sys.exit(_fleet(args))
     # Workers inherit the environment: cells must not find the token there.
     os.environ.pop("SNAPSHOT_KERNEL_TOKEN", None)
     host, _, port = args.bind.rpartition(":")
@@ -255,9 +301,14 @@ def main(argv=None):
     if not args.token and not (args.no_auth and is_loopback(host)):
         refuse(args, "no token: pass --token or set SNAPSHOT_KERNEL_TOKEN (--no-auth is "
                      "allowed only on a loopback address)")
-    settings = settings_of(args, {f"display.max_{flag}": getattr(args, f"display_max_{flag}")
-                                  for flag in ("rows", "columns", "colwidth")
-                                  if getattr(args, f"display_max_{flag}") is not None})
+    overrides = {f"display.max_{flag}": getattr(args, f"display_max_{flag}")
+                 for flag in ("rows", "columns", "colwidth")
+                 if getattr(args, f"display_max_{flag}") is not None}
+    if args.server_id is not None:
+        overrides["server.id"] = args.server_id
+    if args.drain_s is not None:
+        overrides["server.drain_s"] = args.drain_s
+    settings = settings_of(args, overrides)
     setup_logging(settings["server.log_file"], args.verbose)
     # The zygote first: it starts (0.1 s) while this process imports the server (0.13 s),
     # and a restart's first cell need not wait for it.

@@ -38,10 +38,16 @@ class Client:
     `timeout`: seconds to connect, and to wait for a short request's answer
     (a cell's run has none). `token_in_query`: send the token as `?token=`
     (the only form the reference server reads) rather than as
-    `Authorization: Bearer` (which stays out of proxy logs).
+    `Authorization: Bearer` (which stays out of proxy logs). `affinity`: a key
+    sent as X-Snapshot-Affinity with every request, so that a load balancer in
+    front of a fleet (deploy/haproxy.cfg) sends a session's requests to the
+    server that holds its state live. `retry_s`: how long a cell whose answer
+    was cut (the server lost, a proxy's 502/503/504) is sent again with its
+    exec_id (docs/fleet.md): the server answers a committed one from the store.
     """
 
-    def __init__(self, url, token=None, timeout=60, token_in_query=False):
+    def __init__(self, url, token=None, timeout=60, token_in_query=False, affinity=None,
+                 retry_s=60):
         """Talk to the server at `url` (http:// or https://)."""
         self.url = url.rstrip("/")
         parts = urllib.parse.urlsplit(self.url)
@@ -54,6 +60,9 @@ class Client:
         self.token = token
         self.timeout = timeout
         self._token_in_query = token_in_query
+        self.affinity = affinity
+        self.retry_s = retry_s
+        self.server = None  # X-Snapshot-Server of the last answer (which server gave it)
         self._local = threading.local()
 
     # Connections -------------------------------------------------------------------
@@ -100,7 +109,9 @@ class Client:
         reused once it has.
         """
         target = self._prefix + path
-        headers = {}
+        # Quoted: a header is latin-1, a notebook's path or a session's name need not be.
+        headers = {"X-Snapshot-Affinity": urllib.parse.quote(self.affinity, safe="")} \
+            if self.affinity else {}
         if self.token:
             if self._token_in_query:
                 target += ("&" if "?" in target else "?") + urllib.parse.urlencode(
@@ -132,6 +143,7 @@ class Client:
                 raise ServerError(f"the server at {self.url} stopped answering: {exc}",
                                   "ServerUnreachable") from None
             self._local.times = (sent, time.monotonic())
+            self.server = response.getheader("X-Snapshot-Server")
             return response
         raise AssertionError("unreachable")
 
@@ -185,12 +197,36 @@ class Client:
 
     # The API -----------------------------------------------------------------------
 
-    def execute(self, code, exec_id, state, new_name=None, timeout=0):
-        """POST /execute: the answer (no bound on the cell's time by default)."""
+    def retried(self, request):
+        """request(), sent again while its answer is cut by the loss of a server, for
+        up to retry_s: a request that carries an exec_id, which makes it safe to repeat
+        (an /execute that committed is answered from the store, never run twice).
+        One that is still running where it was sent (409 "already running") is waited
+        for. Any other error is raised at once."""
+        deadline = time.monotonic() + self.retry_s
+        cut = False
+        while True:
+            try:
+                return request()
+            except ServerError as exc:
+                running = cut and exc.status == 409 and "already running" in str(exc)
+                # A first try refused sent nothing: no server there, said at once.
+                again = is_cut(exc) and (cut or not exc.refused) or running
+                if not again or time.monotonic() > deadline:
+                    raise
+                cut = True
+            self.close()
+            time.sleep(_RETRY_PAUSE_S)
+
+    def execute(self, code, exec_id, state, new_name=None, timeout=0, cwd=None):
+        """POST /execute: the answer (no bound on the cell's time by default); sent
+        again with its exec_id when the answer is cut (see retried)."""
         body = {"code": code, "exec_id": exec_id, "state_name": state}
         if new_name is not None:
             body["new_state_name"] = new_name
-        return self.call("POST", "/execute", body, timeout)
+        if cwd is not None:
+            body["cwd"] = cwd
+        return self.retried(lambda: self.call("POST", "/execute", body, timeout))
 
     def execute_streamed(self, code, exec_id, state, new_name=None, cwd=None,
                          message_id=None):
@@ -205,7 +241,26 @@ class Client:
             body["cwd"] = cwd
         if message_id is not None:
             body["message_id"] = message_id
-        return self.events("/execute", body)
+        return self.retried_events("/execute", body)
+
+    def retried_events(self, path, body):
+        """events(path, body), sent again (see retried) when the stream is cut before its
+        answer; the events of the retry follow a {"type": "clear_output"} when some of
+        the first try's were given: the retry's outputs replace them."""
+        events = self.retried(lambda: self.events(path, body))
+        given = False
+        while True:
+            try:
+                for event in events:
+                    given = True
+                    yield event
+                return
+            except ServerError as exc:
+                if not is_cut(exc):
+                    raise
+            events = self.retried(lambda: self.events(path, body))
+            if given:
+                yield {"type": "clear_output", "wait": False}
 
     def evaluate(self, code, state, exec_id, timeout=None):
         """Run `code` on `state` and store nothing (/multistate_execute): the answer."""
@@ -216,8 +271,9 @@ class Client:
     def run_notebook(self, request):
         """POST /notebooks/run with "stream": true: an iterator of its events,
         {"type": "cell", "cell": {...}} as each cell's status changes, then
-        {"type": "answer", "answer": {...}} (the run's record)."""
-        return self.events("/notebooks/run", dict(request, stream=True))
+        {"type": "answer", "answer": {...}} (the run's record). Sent again when cut
+        (see retried_events): cells that ran are reused by their keys."""
+        return self.retried_events("/notebooks/run", dict(request, stream=True))
 
     def describe(self, name):
         """GET /states/NAME, or None when there is no such state."""
@@ -239,6 +295,24 @@ class Client:
             return True
         except ServerError:
             return False
+
+
+# Seconds between two tries of a cut request: HAProxy's check (inter 1s fall 2) takes a
+# lost server out of the pool within 2 s; a refused connection is sent elsewhere at once.
+_RETRY_PAUSE_S = 0.5
+# Statuses a proxy answers for a server lost under a request (HAProxy: 502 when the
+# server closed without an answer, 503 when none is up, 504 past timeout server), and
+# ours while stopping (503 ServerStopping).
+_CUT_STATUSES = (502, 503, 504)
+
+
+def is_cut(exc):
+    """True when ServerError `exc` says the answer was lost on the way, not refused:
+    a connection reset or closed without an answer, or a proxy's or a stopping
+    server's 502/503/504. A 503 RemoteUnavailable (the bucket down) is a refusal."""
+    if exc.status is None:
+        return exc.etype == "ServerUnreachable"
+    return exc.status in _CUT_STATUSES and exc.etype != "RemoteUnavailable"
 
 
 def _decode(response, raw, path):

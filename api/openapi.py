@@ -41,6 +41,10 @@ _EXEC_ID = {"description": "Identifies the execution for /interrupt and 409 on r
             "oneOf": [{"type": "string"}, {"type": "integer"}]}
 
 _NAMES = {"type": "array", "items": {"type": "string"}}
+_HEALTH = {"type": "object", "required": ["status", "server"], "properties": {
+    "status": {"type": "string", "enum": ["ok", "draining"]},
+    "server": {"type": "object", "required": ["id", "pid"], "properties": {
+        "id": {"type": "string"}, "pid": {"type": "integer"}}}}}
 # A variable a fresh run may be given: a name, and none that may hold a secret.
 _ENV_NAME = {"type": "string", "pattern": "^[A-Za-z_][A-Za-z0-9_]*$",
              "not": {"pattern": "|".join("".join(f"[{c}{c.lower()}]" for c in part)
@@ -470,14 +474,16 @@ def document(version=__version__):
                                       "properties": {"deleted": {"type": "string"}}},
                                      "Deleted", (400, 401, 404, 409))}},
         "/health": {"get": {
-            "summary": "Liveness; the only route without the token",
+            "summary": "Liveness and which server answered; the only route without the "
+                       "token",
             "security": [],
-            "responses": dict({"200": {"description": "Up", "content": {
-                "application/json": {"schema": {
-                    "type": "object", "required": ["status"],
-                    "properties": {"status": {"type": "string"}}}}}}},
-                **{str(status): {"$ref": f"#/components/responses/E{status}"}
-                   for status in _ANY_REQUEST})}},
+            "responses": dict(
+                {str(status): {"$ref": f"#/components/responses/E{status}"}
+                 for status in _ANY_REQUEST},
+                **{"200": {"description": "Up", "content": {"application/json": {
+                    "schema": _HEALTH}}},
+                   "503": {"description": "Draining: stopping within server.drain_s",
+                           "content": {"application/json": {"schema": _HEALTH}}}})}},
         "/openapi.json": {"get": {
             "summary": "This document",
             "responses": _answer({"type": "object"}, "The OpenAPI document", (401,))}},

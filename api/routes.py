@@ -47,6 +47,8 @@ class Service:
         self.lock = threading.Lock()
         self._settings = self._registry = self._notebooks = None
         self.store_lock = None  # the store's server lock, held while the registry lives
+        self.server_id = None  # this server's name in a fleet (api/server.py serve)
+        self.draining = False  # stopping: /health says so, requests are still served
 
     @property
     def settings(self):
@@ -176,6 +178,8 @@ def route(method, path, auth=True):
                 result = handler(*args, **kwargs)
             except Exception as exc:
                 return _failure(exc, method, path)
+            if isinstance(result, bottle.HTTPResponse):
+                return result
             if isinstance(result, NDJSON):
                 return bottle.HTTPResponse(
                     status=200, headers={"Content-Type": "application/x-ndjson"},
@@ -439,8 +443,30 @@ def openapi_document():
 
 @route("GET", "/health", auth=False)
 def health():
-    """Liveness, without a token."""
-    return {"status": "ok"}
+    """Liveness, without a token, and which server answered; 503 while the server drains
+    (a load balancer then sends it nothing new)."""
+    if service.draining:
+        return _json_response(503, {"status": "draining", "server": _identity()})
+    return {"status": "ok", "server": _identity()}
+
+
+def _identity():
+    """{id, pid} of this server."""
+    return {"id": service.server_id, "pid": os.getpid()}
+
+
+def named(wsgi_app):
+    """`wsgi_app` whose every answer (errors, bottle's own 404s included) carries the
+    header X-Snapshot-Server: this server's id, so a client behind a load balancer sees
+    where it was routed."""
+    def serve(environ, start_response):
+        """Answer with the header added."""
+        def start(status, headers, exc_info=None):
+            """start_response, with our header."""
+            return start_response(status, headers + [("X-Snapshot-Server", service.server_id)],
+                                  exc_info)
+        return wsgi_app(environ, start)
+    return serve
 
 
 @app.error(404)

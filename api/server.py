@@ -11,6 +11,7 @@ import logging
 import os
 import re
 import signal
+import socket
 import ssl
 import sys
 import threading
@@ -18,7 +19,7 @@ import threading
 from cheroot import errors, server as cheroot_server, wsgi
 from cheroot.ssl.builtin import BuiltinSSLAdapter
 
-from snapkernel.api.routes import app, service
+from snapkernel.api.routes import app, named, service
 from snapkernel.storage.store import StoreError, StoreHeld, note_holder
 
 # The listen backlog: cheroot's default of 5 drops connections of a burst of clients
@@ -150,8 +151,9 @@ def serve(host, port, settings, token, no_auth=False, pool=None):
     app.config["bind_host"] = host
     app.config["no_auth"] = no_auth and not token
     service.use(settings)
+    service.server_id = settings["server.id"] or f"{socket.gethostname()}:{port}"
     scheme = "https" if settings["server.certfile"] else "http"
-    server = DeferredServer((host.strip("[]"), port), app,
+    server = DeferredServer((host.strip("[]"), port), named(app),
                             numthreads=settings["server.server_threads"],
                             timeout=settings["server.socket_timeout_s"],
                             request_queue_size=_BACKLOG)
@@ -200,7 +202,16 @@ def serve(host, port, settings, token, no_auth=False, pool=None):
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         server.leave()
 
-    signal.signal(signal.SIGTERM, stop)
+    def drain(*_):
+        """SIGTERM with server.drain_s: /health says "draining" and everything is served
+        for drain_s more (a load balancer takes the server out meanwhile), then stop. A
+        second SIGTERM or Ctrl-C stops at once."""
+        service.draining = True
+        signal.signal(signal.SIGTERM, stop)
+        signal.signal(signal.SIGALRM, stop)
+        signal.setitimer(signal.ITIMER_REAL, settings["server.drain_s"])
+
+    signal.signal(signal.SIGTERM, drain if settings["server.drain_s"] > 0 else stop)
     signal.signal(signal.SIGINT, stop)
     try:
         server.serve()

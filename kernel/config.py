@@ -84,7 +84,7 @@ def load(path=None, overrides=None):
         raise ConfigError("store.durability must be 'sync' or 'async'")
     if flat["store.remote"]:
         _check_remote(flat)
-    for key in ("workers.spare_after_quiet_s", "workers.chain_step_s"):
+    for key in ("workers.spare_after_quiet_s", "workers.chain_step_s", "server.drain_s"):
         if flat[key] < 0:
             raise ConfigError(f"{key} must be 0 or more")
     if flat["server.max_header_kb"] < 1:

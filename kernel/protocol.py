@@ -84,6 +84,8 @@ class Execute(NamedTuple):
     cell answers (an execute_request, or a comm_msg from a widget), which the
     cell's process gives as its parent's (ipywidgets' Output captures by it:
     kernel/worker/capture/comms.py).
+    `execution_key` (with an exec_id): recorded with the new state and its answer
+    (storage/snapshot.py record_execution), so a retry is answered from the store.
     """
     code: str
     new_name: str
@@ -96,6 +98,7 @@ class Execute(NamedTuple):
     keep_on_error: bool = False
     input_holder: bool = True
     message_id: str | None = None
+    execution_key: str | None = None
 
     def failed(self, error):
         """The result that reports `error` for this request."""

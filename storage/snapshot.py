@@ -9,6 +9,7 @@ one group at a time, so a restore can load what a cell needs first.
 import datetime
 import hashlib
 import importlib
+import json
 import sys
 import types
 import uuid
@@ -255,6 +256,22 @@ def carry(manifest, parent, groups, module_names, volatile_names):
     for name in volatile_names:
         manifest["volatile"][name] = parent["volatile"][name]
         manifest["variables"][name] = parent["variables"][name]
+
+
+def record_execution(manifest, payloads, key, answer):
+    """Keep with the new state the execution that made it: its execution key and its
+    answer (JSON-able), the answer a blob written with the manifest (both or neither),
+    so a retry of that execution is answered without running it again."""
+    data = json.dumps(answer, sort_keys=True).encode()
+    blob = _sha(data)
+    payloads[blob] = data
+    manifest["execution"] = {"key": key, "answer": blob}
+
+
+def stored_answer(store, manifest):
+    """The answer recorded by record_execution (a dict), or None."""
+    execution = manifest.get("execution")
+    return json.loads(bytes(store.blob(execution["answer"]))) if execution else None
 
 
 def commit(store, manifest, payloads, replaced=None):

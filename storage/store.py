@@ -763,6 +763,8 @@ def referenced_blobs(manifest):
         keys.add(group["key"])
         keys.update(group["buffers"])
     keys.update((manifest.get("context") or {}).values())
+    if manifest.get("execution"):  # the answer of the cell that made the state
+        keys.add(manifest["execution"]["answer"])
     return keys
 
 

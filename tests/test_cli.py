@@ -27,7 +27,7 @@ def wait_health(url, proc, timeout=60):
             return requests.get(url + "/health", timeout=5).json()
         except requests.ConnectionError:  # not listening yet
             return None
-    assert wait_for(up, "the server to answer /health", timeout) == {"status": "ok"}
+    assert wait_for(up, "the server to answer /health", timeout)["status"] == "ok"
 
 
 def served_cell(args, code, env=None):

@@ -97,12 +97,15 @@ class SnapshotKernel(Kernel):
         server again when the first try found no server listening (nothing was sent)."""
         if self.client is None:
             self._connect()
+        # A fleet's load balancer keeps the session on the server that holds its head live.
+        self.client.affinity = self.session_name
         try:
             return call(self.client)
         except ServerError as exc:
             if not exc.refused:
                 raise
         self._connect()
+        self.client.affinity = self.session_name
         return call(self.client)
 
     def _describe(self, name):

@@ -121,7 +121,8 @@ def _through_server(args, request, progress):
     cells' progress streamed); the run's NotebookRun."""
     from snapkernel.api.client import Client, ServerError
     try:
-        client = Client(args.server, args.token, timeout=60)
+        # The run's requests stay on one server of a fleet (docs/fleet.md).
+        client = Client(args.server, args.token, timeout=60, affinity=request.notebook)
     except ValueError as exc:
         raise Refused(f"--server: {exc}") from None
     body = {"notebook": request.notebook, "order": request.order, "rerun": request.rerun,

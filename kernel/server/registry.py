@@ -6,6 +6,8 @@ answers metadata questions from manifests alone; requests that run code
 go through the cell runs (cell_runs.py) to children of the live holders.
 """
 
+import hashlib
+import json
 import logging
 import os
 import threading
@@ -217,7 +219,15 @@ class Registry:
             return ExecuteAnswer.failed(protocol.error("StateNotFound", state_name))
         _check_new_name(new_name)
         check_folder(cwd)
-        request = protocol.Execute(code=code, new_name=new_name or uuid.uuid4().hex,
+        key = None if exec_id is None else execution_key(exec_id, code, manifest["id"],
+                                                         new_name, cwd)
+        # An auto-named state of an exec_id is named after its execution, so that a retry
+        # on any server finds it (a remote lists names from the bucket).
+        target = new_name or (key[:32] if key else uuid.uuid4().hex)
+        stored = self._stored_answer(target, key, exec_id, code, state_name, cwd, on_output)
+        if stored is not None:
+            return stored
+        request = protocol.Execute(code=code, new_name=target, execution_key=key,
                                    auto_named=new_name is None, exec_id=_key(exec_id),
                                    stream=on_output is not None, keep_live=keep_live,
                                    home=cwd, fresh_imports=fresh_imports,
@@ -237,6 +247,27 @@ class Registry:
             answer.error = protocol.error(
                 "StateDiscarded", "the store was reset while the cell ran; its new state "
                 "was not kept")
+        return answer
+
+    def _stored_answer(self, name, key, exec_id, code, state_name, cwd, on_output):
+        """The answer of execution `key` when it made the state `name` points to (a
+        retry of an execution whose answer was lost), its outputs sent to `on_output`;
+        else None. A state made in place (new name = input name) was made from the
+        state's parent, which the key of its execution then names."""
+        found = self._lookup(name) if key else None
+        execution = found and found.get("execution")
+        if not execution:
+            return None
+        made_in_place = name == state_name and found["parent_id"] and execution["key"] == \
+            execution_key(exec_id, code, found["parent_id"], name, cwd)
+        if execution["key"] != key and not made_in_place:
+            return None
+        answer = ExecuteAnswer(**snapshot.stored_answer(self.store, found))
+        answer.state_name = name
+        answer.volatile_symbols = sorted(found["volatile"])
+        for item in answer.output if on_output else ():
+            on_output({"type": "output", "output": item})
+        log.info("exec_id %s answered from the state it made, %r", exec_id, name)
         return answer
 
     def multistate_execute(self, code, exec_id, mapping, default_state=None, on_output=None):
@@ -386,6 +417,12 @@ def _check_new_name(name):
     if size > MAX_NAME_BYTES:
         raise InvalidRequest(f"the state name is {size} bytes long in UTF-8; at most "
                              f"{MAX_NAME_BYTES} are allowed")
+
+
+def execution_key(exec_id, code, input_id, new_name, cwd):
+    """What identifies one execution: the same key is the same request sent again."""
+    fields = [str(exec_id), code, input_id, new_name, cwd]
+    return hashlib.sha256(json.dumps(fields).encode()).hexdigest()
 
 
 def _key(exec_id):

@@ -185,7 +185,7 @@ class CellChild:
             # Holders restoring in the background wait meanwhile, as while children load:
             # the answer waits for this save and nothing else.
             with self.state.child_loads.held():
-                manifest = self.save(msg, count, touched, after, rebound, home)
+                manifest = self.save(msg, count, touched, after, rebound, home, answer)
         except StoreError as exc:  # StoreFull among them: the server answers 507
             answer.error = protocol.error(type(exc).__name__, str(exc), [])
             return None, protocol.CellResult(answer)
@@ -208,10 +208,11 @@ class CellChild:
             os.chdir(folder)
         return folder
 
-    def save(self, msg, count, touched, present, rebound, home):
+    def save(self, msg, count, touched, present, rebound, home, answer):
         """Write the new state: dirty groups re-pickled, the others carried.
         `rebound`: the names the cell bound to another object (or made); `home`:
-        the notebook folder of the state (move_home)."""
+        the notebook folder of the state (move_home); `answer`: the cell's, kept with
+        the state when the request has an execution key."""
         parent = self.state.manifest
         manifest = snapshot.new_manifest(msg.new_name, parent, msg.code, count, msg.auto_named)
         manifest["home"] = home
@@ -236,6 +237,8 @@ class CellChild:
                                     serializer.rebuildable_widget,
                                     self.state.settings["store.repr_max_chars"])
         made_context = self.save_context(store, manifest, records)
+        if msg.execution_key is not None:
+            snapshot.record_execution(manifest, records, msg.execution_key, answer.to_json())
         snapshot.commit(store, manifest, records, replaced)
         self.state.context = made_context
         return manifest
