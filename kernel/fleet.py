@@ -92,8 +92,7 @@ class Member:
 
 def run(args):
     """Run the fleet the command line asks for until SIGTERM or Ctrl-C; the exit status."""
-    haproxy = shutil.which("haproxy") or (os.path.exists("/usr/sbin/haproxy")
-                                          and "/usr/sbin/haproxy")
+    haproxy = shutil.which("haproxy")
     if not haproxy:
         raise FleetError("HAProxy is not installed (Debian, Ubuntu: apt-get install haproxy)")
     host, _, port = args.bind.rpartition(":")

@@ -219,8 +219,9 @@ class Registry:
             return ExecuteAnswer.failed(protocol.error("StateNotFound", state_name))
         _check_new_name(new_name)
         check_folder(cwd)
-        key = None if exec_id is None else execution_key(exec_id, code, manifest["id"],
-                                                         new_name, cwd)
+        # `initial` is each server's own (its id differs from server to server).
+        input_id = INITIAL if state_name == INITIAL else manifest["id"]
+        key = None if exec_id is None else execution_key(exec_id, code, input_id, new_name, cwd)
         # An auto-named state of an exec_id is named after its execution, so that a retry
         # on any server finds it (a remote lists names from the bucket).
         target = new_name or (key[:32] if key else uuid.uuid4().hex)
