@@ -456,8 +456,13 @@ class NotebookRunner:
 
         Candidates are the cells' states, the `previous` cell's first (so that
         execution counts follow the run), the latest next, then the state
-        the last run ended on, `initial` last. States made on the way are
-        added to `temps`, but for the last one when it is given a `name`.
+        the last run ended on, `initial` last. The base is one whose process
+        context is the `previous` cell's state's (`initial`'s before the
+        first cell), as a Run All's process would be after that cell: the
+        state the last run ended on holds the right variables for an edited
+        cell, but its generators have drawn for the cells after it. States
+        made on the way are added to `temps`, but for the last one when it
+        is given a `name`.
         """
         states = run.states
         candidates, seen = [], set()
@@ -469,9 +474,11 @@ class NotebookRunner:
                 candidates.append((state, prov))
         provenance_of = dict(candidates)
         live = {state for state, _ in candidates if self.registry.is_live(state)}
+        wanted = self._context(states[previous][0] if previous is not None else "initial")
+        bases = {state for state, _ in candidates if self._context(state) == wanted}
         base, takes, drops = planner.compose(
             required, sourced, candidates, volatile, exact, live,
-            preferred=states[previous][0] if previous is not None else None)
+            preferred=states[previous][0] if previous is not None else None, bases=bases)
         provenance = dict(provenance_of[base])
         for n in drops:
             provenance.pop(n, None)
@@ -513,6 +520,10 @@ class NotebookRunner:
             drops = []
         return base, provenance
 
+    def _context(self, state):
+        """The process context of `state` ({provider: blob key} of its manifest)."""
+        return self.registry.manifest(state).get("context") or {}
+
     def _forget(self, state):
         """Delete a state made only to run a cell from."""
         try:
@@ -533,14 +544,18 @@ class NotebookRunner:
             return "initial"
         required, sourced = planner.required_versions(source_of, run.states)
         required = {n: v for n, v in required.items() if v is not None}
+        # The state a Run All ends in: its names, and the context of the last cell taken.
+        context = self._context(run.states[run.previous][0] if run.previous is not None
+                                else "initial")
         key = keys_mod.composition_key({n: run.keys[p] for n, p in source_of.items()
-                                        if n in required})
+                                        if n in required}, context)
         found = self._stored([key])
         if key in found:
             return found[key]["state"]
         temps = []
         try:
-            state, provenance = self._compose(run, required, sourced, (), temps, exact=True,
+            state, provenance = self._compose(run, required, sourced, (), temps,
+                                              previous=run.previous, exact=True,
                                               name=f"{STATE_PREFIX}{key}")
         except _ComposeFailed:
             return None

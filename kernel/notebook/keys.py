@@ -160,7 +160,8 @@ def local_modules(analysis, folder):
     return found
 
 
-def composition_key(sources):
-    """The key of a state composed of names from other results ({name: key or None})."""
+def composition_key(sources, context):
+    """The key of a state composed of names from other results ({name: key or None}),
+    in the process context `context` ({provider: blob key}, content-addressed)."""
     return _sha(json.dumps({"compose": sorted(sources.items()), "interpreter": INTERPRETER,
-                            "rules": KEY_RULES}))
+                            "rules": KEY_RULES, "context": sorted(context.items())}))

@@ -16,7 +16,11 @@ name it needs, the version the cell that gives it left. Each state's
 *provenance* says, for each of its names, the key of the cell that last
 touched it; a state whose provenance matches every needed name can be run
 from as it is, otherwise the mismatched names are taken from the states
-that hold the right versions (`compose`).
+that hold the right versions (`compose`). Its process context (the
+generators, settings, folder... kernel/worker/context.py) is what a Run
+All's process would have there: that of the state of the cell taken just
+before it, so only a state with that same context is a base; the others
+only give it names.
 """
 
 import dataclasses
@@ -161,11 +165,13 @@ def required_versions(needs, states):
     return required, sources
 
 
-def compose(required, sources, candidates, volatile=(), exact=False, live=(), preferred=None):
+def compose(required, sources, candidates, volatile=(), exact=False, live=(), preferred=None,
+            bases=None):
     """How to make a state holding `required` versions from the states at hand.
 
     `candidates` are (state name, provenance) pairs, best first when they
-    match equally. Returns (base state, takes, drops): run from `base` after
+    match equally; `bases`, when given, the names of those that may be the
+    base (the others only give names to it). Returns (base state, takes, drops): run from `base` after
     taking, for each (source state, names) of `takes`, those names from that
     state, and removing `drops`. The base is the candidate matching the most
     names (names in `volatile` count most: they are live only in the state
@@ -191,7 +197,8 @@ def compose(required, sources, candidates, volatile=(), exact=False, live=(), pr
                    for name in required if holds(candidate, name))
         return held, candidate[0] in live and bool(candidate[1]), candidate[0] == preferred
 
-    best = max(candidates, key=score)  # max keeps the first of equals
+    best = max((c for c in candidates if bases is None or c[0] in bases),
+               key=score)  # max keeps the first of equals
     base, prov = best
     missing = {n for n in required if not holds(best, n)}
     drops = {n for n in missing if required[n] is None}

@@ -83,12 +83,18 @@ class Provider:
 
     `module`: the provider keeps something only while that module is
     imported (`get` is not asked otherwise), and `set` imports it.
+    `prepare`: the server's own set-up of the item (pandas' display limits,
+    matplotlib's figure dpi and inline backend), which every cell applies
+    once per process (kernel/worker/capture): a restore does it before
+    `set`, so that it is done when the first cell comes and does not
+    overwrite the state's values then.
     """
 
-    def __init__(self, name, get, set, module=None, same=None):
+    def __init__(self, name, get, set, module=None, same=None, prepare=None):
         """Describe one item."""
         self.name, self.get, self.set, self.module = name, get, set, module
         self.same = same or (lambda a, b: a == b)
+        self.prepare = prepare
 
 
 # The working directory, sys.path, the environment ---------------------------------------
@@ -461,10 +467,15 @@ def _pandas_get():
     return changed or None
 
 
+def _pandas_prepare():
+    """The server's display limits (Provider.prepare)."""
+    import pandas  # noqa: F401
+    libraries.configure_pandas(_SETTINGS.get("settings"))
+
+
 def _pandas_set(options):
     """Set the kept pandas options, over the server's display limits."""
     import pandas as pd
-    libraries.configure_pandas(_SETTINGS.get("settings"))
     for key, value in options.items():
         pd.set_option(key, value)
 
@@ -510,6 +521,12 @@ def _rc_get():
         changed["backend"] = backend  # the notebook's own choice (`matplotlib.use('svg')`)
     _mpl_last[:] = [dict.copy(rc), changed or None]
     return changed or None
+
+
+def _rc_prepare():
+    """The server's figure dpi and inline backend (Provider.prepare)."""
+    import matplotlib  # noqa: F401
+    figures.prepare_matplotlib(_SETTINGS.get("settings"))
 
 
 def _rc_set(changed):
@@ -803,8 +820,10 @@ PROVIDERS = [
     Provider("local_modules", _local_get, _local_set),
     Provider("module_attributes", _attributes_get, _attributes_set),
     Provider("logging", _logging_get, _logging_set),
-    Provider("pandas.options", _pandas_get, _pandas_set, module="pandas"),
-    Provider("matplotlib.rcParams", _rc_get, _rc_set, module="matplotlib"),
+    Provider("pandas.options", _pandas_get, _pandas_set, module="pandas",
+             prepare=_pandas_prepare),
+    Provider("matplotlib.rcParams", _rc_get, _rc_set, module="matplotlib",
+             prepare=_rc_prepare),
     Provider("ipython", _ipython_get, _ipython_set),
     Provider("ipython.printers", _printers_get, _printers_set),
     # Before the variables that hold them are loaded (as ipywidgets is imported).
@@ -891,8 +910,11 @@ def restore(manifest, store, settings):
 
 
 def _apply(provider, value, problems):
-    """provider.set(value), what it could not do added to `problems`."""
+    """provider.set(value) after provider.prepare(), what it could not do added to
+    `problems`."""
     try:
+        if provider.prepare is not None:
+            provider.prepare()
         provider.set(value)
     except ContextWarning as exc:
         problems.append(str(exc))
