@@ -130,13 +130,16 @@ def test_a_clean_run_here_is_jupyters(clean, tmp_path):
     saved = {k: os.environ.pop(k) for k in ("MPLBACKEND", "PYTEST_CURRENT_TEST")
              if k in os.environ}
     try:
-        # One kernel for all: each item's cells, in its own folder (os.chdir first).
+        # One kernel for all: each item's cells, in its own folder (os.chdir first), with
+        # matplotlib's defaults back (an item's `change` would show in the next one's).
         nb = nbformat.v4.new_notebook()
         for item in ITEMS:
             folder = folder_for(tmp_path, item)
             nb.cells.append(nbformat.v4.new_code_cell(
                 f"import os as _os, sys as _sys\n_os.chdir({str(folder)!r})\n"
-                f"_sys.path.insert(0, {str(folder)!r})"))
+                f"_sys.path.insert(0, {str(folder)!r})\n"
+                f"if 'matplotlib' in _sys.modules:\n"
+                f"    _sys.modules['matplotlib'].rcdefaults()"))
             nb.cells += [nbformat.v4.new_code_cell(c["source"]) for c in cells_of(item)]
         NotebookClient(nb, timeout=120, kernel_name="python3").execute()
     finally:
