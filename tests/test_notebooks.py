@@ -103,20 +103,35 @@ def test_a_cell_that_kills_its_process_leaves_the_state_before_it_to_the_store(s
 
 
 def test_an_edit_runs_on_the_last_runs_final_state_without_its_later_names(server):
-    """An edited first cell runs on in the state the last run ended on (live, unlike its
-    own input state), but a later name that state holds is not seen before the cell
-    that defines it."""
+    """An edited cell runs on in the state the last run ended on (live, unlike its own
+    input state) when that state's process context is its input's (docs/context.md),
+    but a later name that state holds is not seen before the cell that defines it."""
     probe = "print(a)\ntry:\n    c\nexcept NameError:\n    print('no c')\nelse:\n    print('c', c)"
-    nb = cells("final-base", "a = 1", probe, "c = a * 2")
+    nb = cells("final-base", "z = 0", "a = 1", probe, "c = a * 2")
     first = run(server, "final-base", nb)
-    assert shown(first, "c1") == "1\nno c"
-    nb[0]["source"] = nb[0]["source"].replace("a = 1", "a = 5")
+    assert shown(first, "c2") == "1\nno c"
+    nb[1]["source"] = nb[1]["source"].replace("a = 1", "a = 5")
     second = run(server, "final-base", nb)
-    assert statuses(second) == {"c0": "ran", "c1": "ran", "c2": "ran"}
-    assert shown(second, "c1") == "5\nno c"
-    # c0 ran in the last run's final state (execution counts go on from it).
-    assert cell(second, "c0")["execution_count"] == cell(first, "c2")["execution_count"] + 1
+    assert statuses(second) == {"c0": "reused", "c1": "ran", "c2": "ran", "c3": "ran"}
+    assert shown(second, "c2") == "5\nno c"
+    # c1 ran in the last run's final state (execution counts go on from it).
+    assert cell(second, "c1")["execution_count"] == cell(first, "c3")["execution_count"] + 1
     assert server.execute("print(a, c)", second["state_name"])["output"][0]["text"] == "5 10\n"
+
+
+def test_an_edited_first_cell_runs_in_a_fresh_context_as_in_a_clean_run(server):
+    """The first cell's context is `initial`'s, whatever state the last run ended on: what
+    a later cell set there (an environment variable) is not seen by the edited first
+    cell, which counts 1 as in a clean Run All."""
+    nb = cells("first-edit", "import os\nprint(os.environ.get('SNAPK_FIRST'))  # v1",
+               "os.environ['SNAPK_FIRST'] = 'two'")
+    first = run(server, "first-edit", nb)
+    assert shown(first, "c0") == "None"
+    nb[0]["source"] = nb[0]["source"].replace("v1", "v2")
+    second = run(server, "first-edit", nb)
+    assert statuses(second) == {"c0": "ran", "c1": "ran"}
+    assert shown(second, "c0") == "None"
+    assert cell(second, "c0")["execution_count"] == 1
 
 
 def test_after_a_restart_an_edited_cell_that_reads_nothing_runs_on_from_the_cell_before(

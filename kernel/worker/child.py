@@ -156,6 +156,7 @@ class CellChild:
         home = self.move_home(msg.home)
         if msg.fresh_imports:
             context.forget_changed_modules()
+        context.fresh_generators(state.context)
         opened.start()
         try:
             with comms.answering(msg.message_id):
@@ -322,6 +323,7 @@ class CellChild:
         names_before = user_names(namespace)
         found = self.prepare(cell, msg.aliases)
         before = {n: namespace[n] for n in names_before}
+        context.fresh_generators(state.context)
         outputs, error = limits.run_limited(cell, namespace, count, state.settings,
                                             self.sink(msg))
         after = user_names(namespace)

@@ -802,6 +802,20 @@ def _touched(name, state):
     return None if _BASE.get(name) == state else state
 
 
+def fresh_generators(kept):
+    """Before a cell, seed from the OS the global generators the state `kept` ({provider:
+    (key, value)}) has not touched, as a new kernel's are: every worker inherits the
+    zygote's, so an unseeded draw in a first cell would be the same on every run
+    (`rerun` of it too). The new state is this process's base: untouched still."""
+    if "random" not in kept:
+        random.seed()
+        _BASE["random"] = random.getstate()
+    if "numpy.random" not in kept and "numpy" in sys.modules:
+        with contextlib.suppress(Exception):
+            sys.modules["numpy"].random.seed()
+            _BASE["numpy"] = _numpy_get()
+
+
 # A generator as imported (seeded by the OS) is not kept.
 libraries.on_import("numpy", lambda: remember_generator("numpy"))
 libraries.on_import("torch", lambda: remember_generator("torch"))
