@@ -58,10 +58,6 @@ from test_fidelity import compare_cell, run_in_jupyter
 KNOWN_DEFECTS = {
     "file_write": "a file written with `with open(p, 'w')` is truncated when the state "
                   "holding the closed file object is saved or restored",
-    "seeded": "a seeded global generator gives the wrong draw after an edit through a "
-              "server (the seed cell reused from a state whose generator moved on)",
-    "classic_style": "plt.style.use('classic') then %matplotlib inline: a restored state "
-                     "draws at the wrong figure size",
     "data_read": "files a cell reads are not part of its key: an edited data file is "
                  "not read again",
 }

@@ -2,7 +2,7 @@
 found, each its minimal sequence: a notebook run with `main.py run --server`, a user's
 action, the run again, compared with a clean Run All (nbclient with ipykernel).
 
-The four marked xfail are the known defects of issue 41, fixed on other branches: when
+Those marked xfail are the known defects of issue 41, fixed on other branches: when
 a fix lands, its mark goes (strict: the test then fails until it does), and its idiom
 leaves test_differential.KNOWN_DEFECTS.
 """
@@ -54,9 +54,6 @@ def test_a_file_written_with_open_w_is_kept(make_server, folder):
     assert "line 1\nline 1\nline 1" in text(outputs[1])
 
 
-@pytest.mark.xfail(strict=True, reason="known defect (issue 41 item 2): the seed cell is "
-                   "reused from a state whose generator moved on; fixed on the branch "
-                   "fixing seeded generators")
 def test_a_seeded_draw_after_a_comment_is_the_first_draw(make_server, folder):
     """[import numpy as np; np.random.seed(1)], [np.random.rand(3)]; a comment added to the
     draw; run again: the first draw after the seed, as a Run All gives."""
@@ -68,9 +65,6 @@ def test_a_seeded_draw_after_a_comment_is_the_first_draw(make_server, folder):
     assert text(run_server(srv, folder, cells, 2)[1]) == first
 
 
-@pytest.mark.xfail(strict=True, reason="known defect (issue 41 item 2): plt.style.use"
-                   "('classic') is restored wrong (figure size); fixed on the branch "
-                   "fixing the classic style")
 def test_a_figure_after_classic_style_is_drawn_at_jupyters_size(make_server, folder):
     """[plt.style.use('classic')], [%matplotlib inline; plt.plot(...)]; the server
     restarted and the plot cell edited: the figure has Jupyter's size."""
