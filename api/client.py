@@ -246,8 +246,13 @@ class Client:
     def retried_events(self, path, body):
         """events(path, body), sent again (see retried) when the stream is cut before its
         answer; the events of the retry follow a {"type": "clear_output"} when some of
-        the first try's were given: the retry's outputs replace them."""
-        events = self.retried(lambda: self.events(path, body))
+        the first try's were given: the retry's outputs replace them. The first request
+        is sent before this returns, as events() does: a server that is not there raises
+        here (the Jupyter kernel then starts its own again)."""
+        return self._resumed(self.retried(lambda: self.events(path, body)), path, body)
+
+    def _resumed(self, events, path, body):
+        """The events of `events`, then of a retry for each cut (retried_events)."""
         given = False
         while True:
             try:
