@@ -104,6 +104,10 @@ _ANSWER_FIELDS = {
                                   "the interpreter's and packages' own left out)"},
     "files_written": {"type": "array", "items": {"type": "string"},
                       "description": "Files the cell opened for writing"},
+    "inert_symbols": dict(_NAMES, description="Variables holding open files, sockets, "
+                          "processes, connections or memory maps, which a restore of the "
+                          "state gives back closed (never reopened for writing, "
+                          "reconnected or restarted)"),
 }
 assert list(_ANSWER_FIELDS) == [f.name for f in dataclasses.fields(ExecuteAnswer)]
 _EXECUTE_ANSWER = {"type": "object", "required": list(_ANSWER_FIELDS),
@@ -329,6 +333,10 @@ def document(version=__version__):
                     "parent": {"type": "string", "nullable": True},
                     "execution_count": {"type": "integer"},
                     "volatile_symbols": _NAMES, "live": {"type": "boolean"},
+                    "inert": {"type": "object", "description": "Variables whose values "
+                              "hold open files, sockets, processes... that a restore gives "
+                              "back closed, each with what",
+                              "additionalProperties": _NAMES},
                     "python": {"type": "string"},
                     "cwd": {"type": "string", "description": "The folder its cells run in"},
                     "context": dict(_NAMES, description="What the state keeps besides its "

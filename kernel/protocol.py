@@ -164,7 +164,8 @@ class ExecuteAnswer:
     """The answer of /execute and /multistate_execute, built here and nowhere else.
 
     Its fields are the JSON answer's keys, in the reference's order plus
-    ours (`execution_count`, `volatile_symbols`, `files_read`, `files_written`).
+    ours (`execution_count`, `volatile_symbols`, `files_read`, `files_written`,
+    `inert_symbols`).
     """
     output: list = field(default_factory=list)
     state_name: str | None = None
@@ -177,6 +178,9 @@ class ExecuteAnswer:
     # The files the cell opened (kernel/worker/opened.py): absolute paths, sorted.
     files_read: list = field(default_factory=list)
     files_written: list = field(default_factory=list)
+    # Variables holding open files, sockets, processes... that a restore gives back
+    # closed (storage/handles.py).
+    inert_symbols: list = field(default_factory=list)
 
     @classmethod
     def failed(cls, error, execution_count=None):

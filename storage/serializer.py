@@ -7,10 +7,12 @@ globals and are rebound on load to the namespace they are loaded into, so a
 restored `f` reads the restored globals. Large contiguous buffers travel out
 of band, so each becomes a blob of its own and an unchanged column is never
 stored twice. A numpy view is stored as a view of its base, so `b = a[:2]`
-still writes through to `a` after a restore.
+still writes through to `a` after a restore. Files, sockets, processes and
+other handles on the world load inert (storage/handles.py).
 """
 
 import contextlib
+import functools
 import hashlib
 import importlib
 import importlib.util
@@ -23,7 +25,7 @@ import types
 import cloudpickle
 from cloudpickle import cloudpickle as _cp
 
-from snapkernel.storage import canonical
+from snapkernel.storage import canonical, handles
 
 PROTOCOL = 5
 # Bytes an Arrow-backed array's buffers may hold beyond what it uses (see _arrow_reduce).
@@ -144,6 +146,7 @@ class _GroupPickler(cloudpickle.Pickler):
                                        "Document", None)
         self._references = _library_singletons()
         self._references.update(references or {})
+        self.inert = []  # what a restore gives back inert (storage/handles.py)
 
     def reducer_override(self, obj):
         """Reduce cell functions, notebook classes, numpy views and Arrow-backed pandas
@@ -186,6 +189,8 @@ class _GroupPickler(cloudpickle.Pickler):
             return (_container, (type(obj), items), dict(obj.__dict__))
         elif self._bokeh_document is not None and type(obj) is self._bokeh_document:
             return _document_reduce(obj)
+        elif (reduced := handles.reduce(obj, self.inert)) is not None:
+            return reduced
         elif _loads_badly(type(obj)):
             return _plain_reduce(obj)
         return super().reducer_override(obj)
@@ -429,15 +434,39 @@ def _datetime_reduce(arr):
 
 
 class Pickled:
-    """One serialized group: pickle bytes, out-of-band buffers, which pickler."""
+    """One serialized group: pickle bytes, out-of-band buffers, which pickler, and what
+    a restore gives back inert (storage/handles.py)."""
 
-    __slots__ = ("payload", "buffers", "pickler")
+    __slots__ = ("payload", "buffers", "pickler", "inert")
 
-    def __init__(self, payload, buffers, pickler):
+    def __init__(self, payload, buffers, pickler, inert):
         """Hold the pieces; `buffers` are contiguous memoryviews."""
         self.payload = payload
         self.buffers = buffers
         self.pickler = pickler
+        self.inert = inert
+
+
+@functools.cache
+def _dill_pickler():
+    """dill's pickler with the handles of storage/handles.py reduced as the C path does
+    them (dill would reopen a file in its own mode when loaded)."""
+    import dill
+
+    class DillPickler(dill.Pickler):
+        """dill, with handles made inert."""
+
+        def __init__(self, *args, **kwargs):
+            """As dill's; `inert` as _GroupPickler's."""
+            super().__init__(*args, **kwargs)
+            self.inert = []
+
+        def reducer_override(self, obj):
+            """The reduction of a handle, else dill's own."""
+            reduced = handles.reduce(obj, self.inert)
+            return NotImplemented if reduced is None else reduced
+
+    return DillPickler
 
 
 def dumps(values, namespace, class_tag, min_buffer, references=None):
@@ -461,17 +490,21 @@ def dumps(values, namespace, class_tag, min_buffer, references=None):
 
     out = io.BytesIO()
     try:
-        _GroupPickler(out, namespace, class_tag, keep, min_buffer, references).dump(values)
-        return Pickled(out.getvalue(), buffers, "c")
+        pickler = _GroupPickler(out, namespace, class_tag, keep, min_buffer, references)
+        pickler.dump(values)
+        return Pickled(out.getvalue(), buffers, "c", pickler.inert)
     except Exception as first:
         try:
             import dill
-            data = dill.dumps(values, protocol=PROTOCOL, recurse=True)
+            out = io.BytesIO()
+            pickler = _dill_pickler()(out, protocol=PROTOCOL, recurse=True)
+            pickler.dump(values)
+            data = out.getvalue()
             # What only dill pickles is loaded back once: some of it pickles but does
             # not load, and is volatile then.
             with loading_into(namespace), counters_kept():
                 dill.loads(data)
-            return Pickled(data, [], "dill")
+            return Pickled(data, [], "dill", pickler.inert)
         except Exception:
             raise Unpicklable(f"{type(first).__name__}: {first}") from None
 
@@ -571,17 +604,24 @@ def _dill_loads(payload):
     return Unpickler(io.BytesIO(payload)).load()
 
 
-def loads(payload, buffers, pickler):
+def loads(payload, buffers, pickler, notes=None):
     """Deserialize a list of values (call inside `loading_into`). Loading leaves the
-    _TRIAL_COUNTERS as they were: the next model a cell makes is numbered as live."""
-    with counters_kept():
-        if pickler == "dill":
-            return _dill_loads(payload)
-        try:
-            values = _Unpickler(io.BytesIO(payload), buffers=buffers).load()
-        except BaseException:
-            _LOADED_LATER.clear()
-            raise
-        while _LOADED_LATER:
-            _LOADED_LATER.pop(0)()
-        return values
+    _TRIAL_COUNTERS as they were: the next model a cell makes is numbered as live.
+    `notes`, if given, gets what could not be given back as it was saved (a file open
+    for reading changed since: storage/handles.py)."""
+    try:
+        with counters_kept():
+            if pickler == "dill":
+                return _dill_loads(payload)
+            try:
+                values = _Unpickler(io.BytesIO(payload), buffers=buffers).load()
+            except BaseException:
+                _LOADED_LATER.clear()
+                raise
+            while _LOADED_LATER:
+                _LOADED_LATER.pop(0)()
+            return values
+    finally:
+        taken = handles.take_restore_notes()
+        if notes is not None:
+            notes += taken

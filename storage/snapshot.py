@@ -116,8 +116,8 @@ def _digest(pickled, payload_key, pieces, layout):
 
 
 def _pickle_group(values, namespace, class_tag, settings, records, store, references):
-    """Serialize one group; return its entry and add the payloads of new blobs to
-    `records`.
+    """Serialize one group; return its entry and what a restore gives back of it inert
+    (storage/handles.py), and add the payloads of new blobs to `records`.
 
     A buffer of one chunk is referred to by the chunk's key; a longer one by
     the key of a chunk list (the chunks' keys, 32 bytes each), so the
@@ -148,8 +148,9 @@ def _pickle_group(values, namespace, class_tag, settings, records, store, refere
     new = store.missing(blobs) - records.keys()
     for k in new:
         records[k] = blobs[k]
-    return {"key": key, "buffers": buffers, "layout": layout, "pickler": pickled.pickler,
-            "fingerprint": _digest(pickled, key, pieces, layout)}
+    return ({"key": key, "buffers": buffers, "layout": layout, "pickler": pickled.pickler,
+             "fingerprint": _digest(pickled, key, pieces, layout)},
+            list(dict.fromkeys(pickled.inert)))
 
 
 def save_groups(store, manifest, namespace, dirty, settings, class_tag="", parent=None,
@@ -163,7 +164,9 @@ def save_groups(store, manifest, namespace, dirty, settings, class_tag="", paren
     in `parent` already and the cell did not rebind it (it is not in
     `rebound`, when given), which keeps the parent's maker. A group that
     pickles exactly as in `parent` (a cell only read it) keeps the parent's
-    symbol hashes and reprs, which can cost more than the pickle.
+    symbol hashes and reprs, which can cost more than the pickle. A group
+    holding handles that a restore gives back inert (an open file: restored
+    closed) lists them by member (`inert`).
     """
     pages.begin_save()
     before = {(g["fingerprint"], tuple(g["members"])): g for g in (parent or {}).get("groups", [])}
@@ -182,14 +185,14 @@ def save_groups(store, manifest, namespace, dirty, settings, class_tag="", paren
                   if (where := serializer.library_attribute(name, v)) is not None}
     for members in alias_groups(values, namespace):
         try:
-            entry = _pickle_group([values[m] for m in members], namespace, class_tag,
-                                  settings, records, store, references)
+            entry, notes = _pickle_group([values[m] for m in members], namespace, class_tag,
+                                         settings, records, store, references)
         except serializer.Unpicklable:
             # Store what can be stored; the rest of the group becomes volatile.
             for m in members:
                 try:
-                    single = _pickle_group([values[m]], namespace, class_tag,
-                                           settings, records, store, references)
+                    single, notes = _pickle_group([values[m]], namespace, class_tag,
+                                                  settings, records, store, references)
                 except serializer.Unpicklable as exc:
                     maker = (parent or {}).get("volatile", {}).get(m)
                     if maker is None or rebound is None or m in rebound:
@@ -203,21 +206,30 @@ def save_groups(store, manifest, namespace, dirty, settings, class_tag="", paren
                     continue
                 single["members"] = [m]
                 single["hashes"] = {m: single["fingerprint"]}
+                if notes:
+                    single["inert"] = {m: notes}
                 manifest["groups"].append(single)
                 manifest["variables"][m] = {"type": type_name(values[m]),
                                             "repr": short_repr(values[m], limit)}
             continue
         entry["members"] = members
         same = before.get((entry["fingerprint"], tuple(members)))
-        if same is not None:
+        # A file closed since pickles as it did open: only what the listing says differs.
+        if same is not None and _noted(same) == set(notes):
             carry(manifest, parent, [same], [], [])
             continue
         if len(members) == 1:
             entry["hashes"] = {members[0]: entry["fingerprint"]}
+            inert = {members[0]: notes} if notes else {}
         else:
-            entry["hashes"] = {m: _value_hash(values[m], namespace, class_tag, settings,
-                                              references)
-                               for m in members}
+            entry["hashes"], inert = {}, {}
+            for m in members:
+                entry["hashes"][m], held = _value_hash(values[m], namespace, class_tag,
+                                                       settings, references)
+                if held:
+                    inert[m] = held
+        if inert:
+            entry["inert"] = inert
         manifest["groups"].append(entry)
         for m in members:
             manifest["variables"][m] = {"type": type_name(values[m]),
@@ -237,11 +249,25 @@ def describe_again(manifest, namespace, held_outside, limit):
 
 
 def _value_hash(value, namespace, class_tag, settings, references):
-    """The symbol hash of one value on its own (for members of larger groups)."""
+    """The symbol hash of one value on its own (for members of larger groups), and what
+    a restore gives back of it inert."""
     pickled = serializer.dumps([value], namespace, class_tag,
                                settings["store.buffer_blob_min_bytes"], references)
     pieces, layout = _chunks(pickled, settings["store.chunk_bytes"], settings["store.threads"])
-    return _digest(pickled, _sha(pickled.payload), pieces, layout)
+    return _digest(pickled, _sha(pickled.payload), pieces, layout), list(
+        dict.fromkeys(pickled.inert))
+
+
+def _noted(group):
+    """Every note of a group's `inert` members."""
+    return {note for notes in group.get("inert", {}).values() for note in notes}
+
+
+def inert(manifest):
+    """{variable: [what a restore gives back of it inert]} of a state: its open files,
+    sockets, processes... (storage/handles.py)."""
+    return {m: notes for group in manifest["groups"]
+            for m, notes in group.get("inert", {}).items()}
 
 
 def carry(manifest, parent, groups, module_names, volatile_names):
@@ -319,7 +345,9 @@ def check_compatible(manifest):
 
 
 def load_group(store, group, namespace, state, pause=None):
-    """Load one group's members into `namespace` (functions bound to it).
+    """Load one group's members into `namespace` (functions bound to it); returns what
+    could not be given back as it was saved (a file open for reading changed since),
+    each line naming the group's variables.
 
     Every blob is verified before it is unpickled; a damaged or missing one
     raises StoreCorrupt naming `state` and the group's variables, and leaves
@@ -340,9 +368,11 @@ def load_group(store, group, namespace, state, pause=None):
             f"every state that holds this value; delete those states and run "
             f"scripts/gc_states.py before making the value again (until then a new state "
             f"with an equal value reuses the damaged copy)") from None
+    notes = []
     with serializer.loading_into(namespace):
-        values = serializer.loads(payload, buffers, group["pickler"])
+        values = serializer.loads(payload, buffers, group["pickler"], notes)
     namespace.update(zip(group["members"], values))
+    return [f"{', '.join(group['members'])}: {note}" for note in notes]
 
 
 def _assemble(store, keys, pause=None):

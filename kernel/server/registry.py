@@ -141,6 +141,8 @@ class Registry:
                 "modules": m["modules"], "parent": m["parent"],
                 "execution_count": m["execution_count"],
                 "volatile_symbols": sorted(m["volatile"]),
+                # Open files, sockets, processes...: what a restore gives back closed.
+                "inert": snapshot.inert(m),
                 "live": m["id"] in self.pool.live_ids(), "python": m["python"],
                 # A state made before any cell chose a folder runs in the server's.
                 "cwd": m.get("cwd") or self.pool.cwd or os.getcwd(),

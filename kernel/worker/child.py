@@ -193,6 +193,7 @@ class CellChild:
         trace.stamp("saved", msg.exec_id)
         answer.state_name = msg.new_name
         answer.volatile_symbols = sorted(manifest["volatile"])
+        answer.inert_symbols = sorted(snapshot.inert(manifest))
         return manifest, protocol.CellResult(answer, manifest)
 
     def move_home(self, folder):

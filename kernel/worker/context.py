@@ -429,7 +429,9 @@ def _logging_set(value):
         logger.setLevel(level)
         for kind, target, mode, hlevel, fmt, datefmt in handlers:
             if kind == "file":
-                handler = logging.FileHandler(target, mode=mode if mode != "w" else "a")
+                # Opened at its first record, appending: a restore opens no file.
+                handler = logging.FileHandler(target, mode=mode if mode != "w" else "a",
+                                              delay=True)
             else:
                 handler = logging.StreamHandler(streams.STDOUT if target == "stdout"
                                                 else streams.STDERR)

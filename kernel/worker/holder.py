@@ -145,8 +145,8 @@ class StateHolder(WorkerProcess):
             if names is None or not names.isdisjoint(group["members"]):
                 # In a cell's child: a value its holder had not loaded when it forked it.
                 trace.stamp("loading", self.manifest["name"])
-                snapshot.load_group(self.store(), group, self.namespace,
-                                    self.manifest["name"])
+                self.context_warnings += snapshot.load_group(
+                    self.store(), group, self.namespace, self.manifest["name"])
             else:
                 keep.append(group)
         self.unloaded_groups = keep
@@ -179,8 +179,9 @@ class StateHolder(WorkerProcess):
             if self.unloaded_modules:
                 self.load_modules()
             elif self.unloaded_groups:
-                snapshot.load_group(self.store(), self.unloaded_groups[0], self.namespace,
-                                    self.manifest["name"], self.yield_to_children)
+                self.context_warnings += snapshot.load_group(
+                    self.store(), self.unloaded_groups[0], self.namespace,
+                    self.manifest["name"], self.yield_to_children)
                 self.unloaded_groups.pop(0)
             elif self.unloaded_volatile:
                 self.load(set(self.unloaded_volatile))
