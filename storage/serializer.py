@@ -8,7 +8,8 @@ restored `f` reads the restored globals. Large contiguous buffers travel out
 of band, so each becomes a blob of its own and an unchanged column is never
 stored twice. A numpy view is stored as a view of its base, so `b = a[:2]`
 still writes through to `a` after a restore. Files, sockets, processes and
-other handles on the world load inert (storage/handles.py).
+other handles on the world load inert (storage/handles.py), and no pickling
+or loading here may act on the world (storage/guard.py).
 """
 
 import contextlib
@@ -25,7 +26,7 @@ import types
 import cloudpickle
 from cloudpickle import cloudpickle as _cp
 
-from snapkernel.storage import canonical, handles
+from snapkernel.storage import canonical, guard, handles
 
 PROTOCOL = 5
 # Bytes an Arrow-backed array's buffers may hold beyond what it uses (see _arrow_reduce).
@@ -489,24 +490,25 @@ def dumps(values, namespace, class_tag, min_buffer, references=None):
         return False
 
     out = io.BytesIO()
-    try:
-        pickler = _GroupPickler(out, namespace, class_tag, keep, min_buffer, references)
-        pickler.dump(values)
-        return Pickled(out.getvalue(), buffers, "c", pickler.inert)
-    except Exception as first:
+    with guard.sealed():
         try:
-            import dill
-            out = io.BytesIO()
-            pickler = _dill_pickler()(out, protocol=PROTOCOL, recurse=True)
+            pickler = _GroupPickler(out, namespace, class_tag, keep, min_buffer, references)
             pickler.dump(values)
-            data = out.getvalue()
-            # What only dill pickles is loaded back once: some of it pickles but does
-            # not load, and is volatile then.
-            with loading_into(namespace), counters_kept():
-                dill.loads(data)
-            return Pickled(data, [], "dill", pickler.inert)
-        except Exception:
-            raise Unpicklable(f"{type(first).__name__}: {first}") from None
+            return Pickled(out.getvalue(), buffers, "c", pickler.inert)
+        except Exception as first:
+            try:
+                import dill
+                out = io.BytesIO()
+                pickler = _dill_pickler()(out, protocol=PROTOCOL, recurse=True)
+                pickler.dump(values)
+                data = out.getvalue()
+                # What only dill pickles is loaded back once: some of it pickles but does
+                # not load (or would act when loaded: refused), and is volatile then.
+                with loading_into(namespace), counters_kept():
+                    dill.loads(data)
+                return Pickled(data, [], "dill", pickler.inert)
+            except Exception:
+                raise Unpicklable(f"{type(first).__name__}: {first}") from None
 
 
 # Module-level counters that a load advances (bokeh numbers every model it makes: p1001,
@@ -610,7 +612,7 @@ def loads(payload, buffers, pickler, notes=None):
     `notes`, if given, gets what could not be given back as it was saved (a file open
     for reading changed since: storage/handles.py)."""
     try:
-        with counters_kept():
+        with counters_kept(), guard.sealed():
             if pickler == "dill":
                 return _dill_loads(payload)
             try:

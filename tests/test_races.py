@@ -148,18 +148,19 @@ def test_cells_finishing_after_a_reset_say_their_state_was_discarded(make_server
 def test_requests_waiting_for_a_spare_of_an_evicted_state_are_served(make_server, tmp_path):
     # max_live_states = 1: a cell from `initial` evicts the holder of `slow` while
     # requests wait for that holder's next spare (the holder is busy unpickling `slow`,
-    # which waits for a file). They must restore the state anew at once, not wait
+    # which says so in the trace, a load may write no file: storage/guard.py, then waits
+    # for a file). They must restore the state anew at once, not wait
     # worker_start_timeout_s (far above the bound checked) for a spare that never comes.
     # The same wait hung requests when a restarted server's warm zygote connected and
     # its cold holders were stopped (scripts/faults.py's "timed out").
-    trace_path, go, inside = tmp_path / "trace.jsonl", tmp_path / "go", tmp_path / "in"
-    inside.mkdir()
+    trace_path, go = tmp_path / "trace.jsonl", tmp_path / "go"
     srv = make_server(config=f'[server]\ntrace_file = "{trace_path}"\n'
                              "[workers]\nmax_live_states = 1\nworker_start_timeout_s = 3600\n")
     srv.execute(f"import os, time\nclass Slow:\n    def __init__(self):\n        self.n = 7\n"
                 f"    def __setstate__(self, d):\n"
                 f"        import os, time\n"  # in a holder, before the state's modules
-                f"        open(os.path.join({str(inside)!r}, str(os.getpid())), 'w').close()\n"
+                f"        from snapkernel.kernel import trace\n"
+                f"        trace.stamp('unpickling-slow')\n"
                 f"        while not os.path.exists({str(go)!r}):\n"
                 f"            time.sleep(0.05)\n"
                 f"        self.__dict__.update(d)\nslow = Slow()", new="slow")
@@ -178,7 +179,8 @@ def test_requests_waiting_for_a_spare_of_an_evicted_state_are_served(make_server
     # background load began before that child's (holders load only while no child does:
     # ChildLock, kernel/worker/holder.py). Only in that order does the holder fork no
     # more spares, and `second` or `third` wait for one; either order must serve all three.
-    wait_for(lambda: list(inside.iterdir()), "a process to load `slow`")
+    wait_for(lambda: [s for s in trace.read(trace_path) if s["phase"] == "unpickling-slow"],
+             "a process to load `slow`")
     answers.update({key: in_thread(value, key) for key in keys[1:]})
     wait_for(lambda: {s["exec"] for s in trace.read(trace_path) if s["phase"] == "request"}
              >= {"second", "third"}, "the requests to arrive")

@@ -1,6 +1,6 @@
 """Keeping a state never acts on the world: the files a cell wrote are exactly what it
 wrote once its answer came, after a restart and through `run`, with the file objects
-(and sockets, processes, connections) back inert (storage/handles.py).
+(and sockets, processes, connections) back inert (storage/handles.py, storage/guard.py).
 
 Each idiom is a cell that writes files in a folder of its own, leaving its file
 objects in the namespace as notebooks do, and ends printing the SHA-256 of every
@@ -363,3 +363,31 @@ def test_saving_and_restoring_a_state_of_every_handle_never_acts_on_the_world(
     finally:
         os.kill(pid, 9)
 
+
+def test_a_value_whose_load_would_act_is_refused_rather_than_run(make_server, tmp_path):
+    """Values whose pickles act when loaded: one the C pickler takes (its load after a
+    restart is refused, naming what it would do; the other variables load) and one only
+    dill takes (its trial load is refused: it is volatile, made again by its cell)."""
+    (tmp_path / "victim.txt").write_text("precious\n")
+    (tmp_path / "victim2.txt").write_text("precious too\n")
+    data = tmp_path / "store"
+    srv = make_server(data)
+    folder = {"cwd": str(tmp_path)}
+    srv.execute("class Truncates:\n"
+                "    def __reduce__(self):\n"
+                "        return (open, ('victim.txt', 'w'))\n"
+                "t = Truncates()\nkept = 42", new="truncates", extra=folder)
+    made = srv.execute("import os, threading\n"
+                       "class Removes:\n"
+                       "    def __reduce__(self):\n"
+                       "        return (os.remove, ('victim2.txt',), {'l': threading.Lock()})\n"
+                       "r = Removes()", new="removes", extra=folder)
+    assert made["volatile_symbols"] == ["r"]
+    srv.stop()
+    again = make_server(data)
+    assert again.execute("print(kept)", state="truncates")["output"][0]["text"] == "42\n"
+    refused = again.execute("t", state="truncates", ok=False)["error"]
+    assert refused["ename"] == "SideEffect" and "open('victim.txt', 'w'" in refused["evalue"]
+    assert again.value("removes", "type(r).__name__") == "'Removes'"
+    assert (tmp_path / "victim.txt").read_text() == "precious\n"
+    assert (tmp_path / "victim2.txt").read_text() == "precious too\n"

@@ -20,7 +20,7 @@ from snapkernel.kernel.channel import ChannelClosed
 from snapkernel.kernel.worker import context, limits, opened
 from snapkernel.kernel.worker.process import (PR_SET_CHILD_SUBREAPER, PR_SET_PDEATHSIG, WorkerProcess,
                                    fork_worker, fresh_main, prctl)
-from snapkernel.storage import remote
+from snapkernel.storage import guard, remote
 
 
 def zygote_main(sock_path, settings):
@@ -29,6 +29,7 @@ def zygote_main(sock_path, settings):
     prctl(PR_SET_CHILD_SUBREAPER, 1)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     os.environ["MPLBACKEND"] = "Agg"
+    guard.install()  # before any fork: every holder and cell child has it
     trace.configure(settings, "zygote")
     context.remember_base()
     limits.init_zygote()
