@@ -55,12 +55,7 @@ from test_fidelity import compare_cell, run_in_jupyter
 
 # Idiom -> the known defect it hits (issue 41), left out of the grammar unless
 # DIFFTEST_KNOWN=include. Remove an entry when its fix lands.
-KNOWN_DEFECTS = {
-    "file_write": "a file written with `with open(p, 'w')` is truncated when the state "
-                  "holding the closed file object is saved or restored",
-    "data_read": "files a cell reads are not part of its key: an edited data file is "
-                 "not read again",
-}
+KNOWN_DEFECTS = {}
 SKIPPED = set() if os.environ.get("DIFFTEST_KNOWN") == "include" else set(KNOWN_DEFECTS)
 
 HELPER = "VALUE = {n}\n\n\ndef scale(x):\n    return x * {n} + 1\n"

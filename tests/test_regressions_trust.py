@@ -40,9 +40,6 @@ def folder(tmp_path):
     return str(path)
 
 
-@pytest.mark.xfail(strict=True, reason="known defect (issue 41 item 1): a closed 'w' file "
-                   "object in the state truncates its file when saved; fixed on the "
-                   "branch fixing file objects")
 def test_a_file_written_with_open_w_is_kept(make_server, folder):
     """[with open('out.txt', 'w') as f: f.write(...)], [print(open('out.txt').read())]."""
     srv = make_server()
