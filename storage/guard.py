@@ -1,7 +1,7 @@
 """Keeping a state never acts on the world: the audit hook that holds pickling to it.
 
-While a thread saves or loads a state's values (`sealed()`: the serializer's
-pickling, dill's trial load, unpickling), an event that would act outside
+While a thread saves or loads a state's values or context (`sealed()`: the
+serializer's pickling, dill's trial load, unpickling), an event that would act outside
 the process raises SideEffect instead: opening a file for writing (or a
 descriptor), removing, renaming, truncating, making a folder, starting or
 signalling a process, connecting or binding a socket, opening a database

@@ -592,7 +592,8 @@ class _Unpickler(pickle.Unpickler):
 
 def loads_plain(data):
     """Unpickle bytes that hold no out-of-band buffers (a state's context)."""
-    return _Unpickler(io.BytesIO(data)).load()
+    with guard.sealed():
+        return _Unpickler(io.BytesIO(data)).load()
 
 
 def _dill_loads(payload):
