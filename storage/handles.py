@@ -18,8 +18,9 @@ give back without acting:
 - a `logging.FileHandler`: reattached with no file open; its next record
   opens the file appending (a `'w'` handler too: it never truncates again);
 - a socket, `subprocess.Popen`, sqlite3 connection or cursor, memory map,
-  multiprocessing pipe end: closed (a Popen detached from its process, which
-  it can then neither wait for nor signal).
+  multiprocessing pipe end, h5py file, group or dataset, netCDF4 dataset:
+  closed (a Popen detached from its process, which it can then neither wait
+  for nor signal).
 
 What was open and comes back closed is said in `notes` when the value is
 pickled (the state lists it: `inert_symbols`); a read-only file that changed
@@ -30,6 +31,7 @@ import copyreg
 import csv
 import gc
 import io
+import itertools
 import os
 import socket
 import stat
@@ -376,3 +378,48 @@ def _pipe_end(obj, notes):
         notes.append(f"{type(obj).__name__} (pipe end): restored closed")
     return _instance(obj, {"_handle": None, "_readable": obj.readable,
                            "_writable": obj.writable})
+
+
+# HDF5 and netCDF, whose C libraries open files unseen by Python's audit hooks ---------
+
+_inert_files = itertools.count()  # names of the in-memory files closed handles are made in
+
+
+@_handles("h5py._hl.files.File", "h5py._hl.group.Group", "h5py._hl.dataset.Dataset")
+def _hdf5(obj, notes):
+    """Closed, of the same kind (made in an in-memory file, closed at once)."""
+    kind = next(k for k in ("File", "Dataset", "Group")
+                if isinstance(obj, getattr(sys.modules["h5py"], k)))
+    if obj.id.valid:
+        inside = "" if kind == "File" else f" {obj.name!r} of"
+        notes.append(f"HDF5 {kind.lower()}{inside} {obj.file.filename!r} open in mode "
+                     f"{obj.file.mode!r}: restored closed, never reopened")
+    return (_closed_hdf5, (kind,))
+
+
+def _closed_hdf5(kind):
+    """A closed h5py File, Group or Dataset."""
+    import h5py
+    memory = h5py.File(f"inert-{next(_inert_files)}.h5", "w", driver="core",
+                       backing_store=False)
+    made = {"File": memory, "Group": memory.require_group("g"),
+            "Dataset": memory.require_dataset("d", (0,), "f8")}[kind]
+    memory.close()  # closes what is open in it too
+    return made
+
+
+@_handles("netCDF4._netCDF4.Dataset")
+def _netcdf(obj, notes):
+    """Closed (a netCDF4 Dataset made in memory, closed at once)."""
+    if obj.isopen():
+        notes.append(f"netCDF dataset {obj.filepath()!r}: restored closed, never reopened")
+    return (_closed_netcdf, ())
+
+
+def _closed_netcdf():
+    """A closed netCDF4 Dataset."""
+    import netCDF4
+    made = netCDF4.Dataset(f"inert-{next(_inert_files)}.nc", "w", diskless=True,
+                           persist=False)
+    made.close()
+    return made

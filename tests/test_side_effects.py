@@ -394,3 +394,30 @@ def test_a_value_whose_load_would_act_is_refused_rather_than_run(make_server, tm
     assert again.value("removes", "type(r).__name__") == "'Removes'"
     assert (tmp_path / "victim.txt").read_text() == "precious\n"
     assert (tmp_path / "victim2.txt").read_text() == "precious too\n"
+
+
+def test_hdf5_and_netcdf_handles_come_back_closed_their_files_untouched(make_server,
+                                                                         tmp_path):
+    """Their C libraries open files unseen by audit hooks, and neither pickles: a
+    volatile handle's cell, replayed, made the file again ('w'), losing what later cells
+    wrote to it."""
+    h5py = pytest.importorskip("h5py")
+    pytest.importorskip("netCDF4")
+    folder = tmp_path / "nb"
+    folder.mkdir()
+    data = tmp_path / "store"
+    srv = make_server(data)
+    srv.execute("import h5py, netCDF4\nh5 = h5py.File('data.h5', 'w')\nh5['x'] = [1, 2, 3]\n"
+                "nc = netCDF4.Dataset('data.nc', 'w')\nnc.createDimension('t', 3)",
+                new="h1", extra={"cwd": str(folder)})
+    made = srv.execute("h5['y'] = [4, 5]\nh5.flush()\nnc.createDimension('u', 2)\nnc.sync()",
+                       state="h1", new="h2")
+    assert made["inert_symbols"] == ["h5", "nc"]
+    wrote = digests(folder)
+    srv.stop()
+    again = make_server(data)
+    back = again.execute("print(bool(h5), nc.isopen())", state="h2")
+    assert back["output"][0]["text"] == "False False\n"
+    assert digests(folder) == wrote
+    with h5py.File(folder / "data.h5", "r") as f:
+        assert sorted(f) == ["x", "y"]
