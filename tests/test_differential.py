@@ -17,11 +17,7 @@ folder's files afterwards with that copy's. The comparison is test_fidelity's
 figure drawn at the wrong size shows). A run again with nothing changed must also run
 no cell that succeeded before (item 6).
 
-Idioms that hit a defect known and being fixed on another branch are left out of the
-grammar by default (KNOWN_DEFECTS), so the tester runs clean on today's tree and looks
-for more; DIFFTEST_KNOWN=include puts them back (each defect's minimal sequence is a
-plain test in tests/test_regressions_trust.py). As each fix lands, its entry leaves
-KNOWN_DEFECTS.
+Every defect it found is a plain test in tests/test_regressions_trust.py.
 
 Determinism: the default-suite test is derandomized (the same few examples on every
 run: a failure in CI is always the code's, and reproduces), so it is a fixed sample;
@@ -53,10 +49,6 @@ from hypothesis.stateful import (RuleBasedStateMachine, initialize, precondition
 from conftest import ROOT, TOKEN, Server
 from test_fidelity import compare_cell, run_in_jupyter
 
-# Idiom -> the known defect it hits (issue 41), left out of the grammar unless
-# DIFFTEST_KNOWN=include. Remove an entry when its fix lands.
-KNOWN_DEFECTS = {}
-SKIPPED = set() if os.environ.get("DIFFTEST_KNOWN") == "include" else set(KNOWN_DEFECTS)
 
 HELPER = "VALUE = {n}\n\n\ndef scale(x):\n    return x * {n} + 1\n"
 DATA = {
@@ -102,8 +94,8 @@ TEMPLATES = [
 
 
 def templates():
-    """The grammar's templates whose idiom is not skipped."""
-    return [t for idiom, t in TEMPLATES if idiom not in SKIPPED]
+    """The grammar's templates."""
+    return [t for _, t in TEMPLATES]
 
 
 cell_sources = st.builds(lambda t, n: t.format(n=n), st.sampled_from(templates()),
@@ -450,7 +442,7 @@ def run_machine(s3, tmp_path, **options):
     finally:
         print(f"\n[differential] {Notebook.sequences} sequences, {Notebook.steps} steps "
               f"checked ({Notebook.reference.runs} reference runs) in "
-              f"{time.monotonic() - started:.0f} s; idioms left out: {sorted(SKIPPED)}")
+              f"{time.monotonic() - started:.0f} s")
 
 
 def test_differential(s3, tmp_path, capsys):

@@ -1,10 +1,6 @@
 """Plain regression tests of the defects the differential tester (tests/test_differential.py)
 found, each its minimal sequence: a notebook run with `main.py run --server`, a user's
 action, the run again, compared with a clean Run All (nbclient with ipykernel).
-
-Those marked xfail are the known defects of issue 41, fixed on other branches: when
-a fix lands, its mark goes (strict: the test then fails until it does), and its idiom
-leaves test_differential.KNOWN_DEFECTS.
 """
 
 import os
