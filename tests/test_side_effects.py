@@ -421,3 +421,22 @@ def test_hdf5_and_netcdf_handles_come_back_closed_their_files_untouched(make_ser
     assert digests(folder) == wrote
     with h5py.File(folder / "data.h5", "r") as f:
         assert sorted(f) == ["x", "y"]
+
+
+def test_replaying_a_volatile_value_never_rewrites_a_file(make_server, tmp_path):
+    """A volatile value is made again by replaying its cell; a cell that also wrote a
+    file would write it again (the user may have changed it since): the replay runs
+    sealed, so the value cannot be made again and the answer says why; the file is as
+    the user left it, and the state's other values load."""
+    data = tmp_path / "store"
+    srv = make_server(data)
+    srv.execute("with open('report.txt', 'w') as f:\n    f.write('first\\n')\n"
+                "squares = (n * n for n in range(3))\nkept = 7", new="wrote",
+                extra={"cwd": str(tmp_path)})
+    srv.stop()
+    (tmp_path / "report.txt").write_text("edited by the user\n")
+    again = make_server(data)
+    assert again.execute("print(kept)", state="wrote")["output"][0]["text"] == "7\n"
+    refused = again.execute("next(squares)", state="wrote", ok=False)["error"]
+    assert "squares" in refused["evalue"] and "report.txt" in refused["evalue"], refused
+    assert (tmp_path / "report.txt").read_text() == "edited by the user\n"
