@@ -229,11 +229,11 @@ class Client:
         return self.retried(lambda: self.call("POST", "/execute", body, timeout))
 
     def execute_streamed(self, code, exec_id, state, new_name=None, cwd=None,
-                         message_id=None):
+                         message_id=None, execution_count=None):
         """POST /execute with "stream": true: an iterator of its events,
         {"type": "output"|"clear_output", ...} as the cell makes them, then
         {"type": "answer", "answer": {...}}. `cwd`: the notebook's folder;
-        `message_id`: the Jupyter message the cell answers."""
+        `message_id`: the Jupyter message the cell answers; `execution_count`: its In[N]."""
         body = {"code": code, "exec_id": exec_id, "state_name": state, "stream": True}
         if new_name is not None:
             body["new_state_name"] = new_name
@@ -241,6 +241,8 @@ class Client:
             body["cwd"] = cwd
         if message_id is not None:
             body["message_id"] = message_id
+        if execution_count is not None:
+            body["execution_count"] = execution_count
         return self.retried_events("/execute", body)
 
     def retried_events(self, path, body):

@@ -288,7 +288,13 @@ def document(version=__version__):
                                   "state_name": _STATE_NAME,
                                   "new_state_name": dict(_STATE_NAME, nullable=True),
                                   "stream": _STREAM, "cwd": _CWD,
-                                  "message_id": _MESSAGE_ID},
+                                  "message_id": _MESSAGE_ID,
+                                  "execution_count": {
+                                      "type": "integer", "nullable": True, "minimum": 1,
+                                      "maximum": 2 ** 31 - 1,
+                                      "description": "The cell's In[N], which its "
+                                                     "tracebacks and its state show "
+                                                     "(default: the input state's + 1)"}},
                                  ["code", "exec_id", "state_name"]),
             "responses": _answer(_EXECUTE_ANSWER, "The cell's outputs and the new state's "
                                  "name; a missing input state is error StateNotFound",

@@ -323,7 +323,8 @@ def execute():
     return answered(lambda on_output: service.registry.execute(
         data["code"], data["exec_id"], data["state_name"],
         data.get("new_state_name"), on_output=on_output, cwd=data.get("cwd"),
-        message_id=data.get("message_id")), data.get("stream"))
+        message_id=data.get("message_id"), execution_count=data.get("execution_count")),
+        data.get("stream"))
 
 
 @route("POST", "/multistate_execute")

@@ -86,6 +86,8 @@ class Execute(NamedTuple):
     kernel/worker/capture/comms.py).
     `execution_key` (with an exec_id): recorded with the new state and its answer
     (storage/snapshot.py record_execution), so a retry is answered from the store.
+    `execution_count` (the Jupyter kernel): the cell's In[N], its tracebacks' and
+    its state's count; None: the input state's count + 1.
     """
     code: str
     new_name: str
@@ -99,6 +101,7 @@ class Execute(NamedTuple):
     input_holder: bool = True
     message_id: str | None = None
     execution_key: str | None = None
+    execution_count: int | None = None
 
     def failed(self, error):
         """The result that reports `error` for this request."""

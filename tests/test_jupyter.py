@@ -6,8 +6,10 @@ install-kernelspec` installed into a temporary Jupyter data directory. The
 kernels share the server they start on that kernelspec's private store.
 """
 
+import io
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -161,6 +163,8 @@ def test_kernel_info_and_cells(kernel):
     assert info["language_info"]["version"].startswith(f"{sys.version_info[0]}.")
     assert info["implementation_version"] == __version__  # the package's one version
     assert "%undo" in info["banner"]
+    # No debugger: debugpy cannot reach the cells' processes (and JupyterLab would offer it).
+    assert "debugger" not in info.get("supported_features", [])
     content, outputs = kernel.run("x = 6 * 7\nprint('x is', x)\nx")
     assert content["status"] == "ok"
     # The printed line may come in pieces (each as it is written), then the result.
@@ -170,6 +174,32 @@ def test_kernel_info_and_cells(kernel):
     assert outputs[-1]["execution_count"] == content["execution_count"]
     again, _ = kernel.run("x")
     assert again["execution_count"] == content["execution_count"] + 1
+
+
+def test_traceback_cell_numbers_are_the_execution_counts(kernel):
+    """A traceback's Cell In[N] is the cell's execution count, as in ipykernel, after a
+    kernel magic (which counts) and after %undo moves the head back."""
+
+    def failing(code):
+        """(the execution count, the 'Cell In[...]' labels of the traceback)."""
+        content, _ = kernel.run(code)
+        assert content["status"] == "error", content
+        labels = re.findall(r"Cell In\[\d+\]", "\n".join(content["traceback"]))
+        return content["execution_count"], labels
+
+    defined, _ = kernel.run("def inverse(a):\n    return 1 / a")
+    count, labels = failing("inverse(0)")
+    assert labels == [f"Cell In[{count}]", f"Cell In[{defined['execution_count']}]"]
+    kernel.text("%states")
+    count, labels = failing("1 / 0")
+    assert labels == [f"Cell In[{count}]"]
+    kernel.run("z = 1")
+    kernel.text("%undo")
+    count, labels = failing("z")  # z is gone with the undone cell
+    assert labels == [f"Cell In[{count}]"]
+    # The front end's count goes on as ipykernel's: one per cell, magics included.
+    again, _ = kernel.run("1")
+    assert again["execution_count"] == count + 1
 
 
 def test_failing_cell_leaves_the_head(kernel):
@@ -329,6 +359,59 @@ def test_papermill_parameters(data_dir, tmp_path):
     out = nbformat.read(tmp_path / "out.ipynb", as_version=4)
     texts = [o.get("text", "") for c in out.cells if c.cell_type == "code" for o in c.outputs]
     assert "twice n is 42\n" in texts
+
+
+def test_jupyter_console_shows_no_debugger_warning(data_dir, tmp_path):
+    """`jupyter console` in a terminal: no debugpy warning (the kernel does not import
+    debugpy), and the tracebacks' In[N] are the prompts' after a kernel magic."""
+    pexpect = pytest.importorskip("pexpect")
+    pytest.importorskip("jupyter_console")
+    console = pexpect.spawn(sys.executable, ["-m", "jupyter_console", "--simple-prompt",
+                                             "--kernel", SPEC],
+                            cwd=str(tmp_path), env=jupyter_env(), encoding="utf-8",
+                            timeout=120, dimensions=(50, 200))
+    console.logfile_read = io.StringIO()  # what the terminal shows
+    try:
+        for line in ("1 / 0", "%states", "1 / 0"):
+            console.expect(r"In \[\d+\]: ")
+            console.sendline(line)
+        console.expect(r"In \[4\]: ")
+        seen = console.logfile_read.getvalue()
+        console.sendeof()
+        console.expect(r"exit \(\[y\]/n\)\? ")
+        console.sendline("y")
+        console.expect(pexpect.EOF)
+    finally:
+        console.close(force=True)
+    assert "Debugger warning" not in seen and "frozen" not in seen, seen
+    assert re.findall(r"Cell In\[\d+\]", seen) == ["Cell In[1]", "Cell In[3]"], seen
+
+
+def test_kernels_started_outside_jupyter_server(data_dir, tmp_path):
+    """nbclient (as nbconvert and papermill start kernels) gives the kernel no notebook
+    path: each run is a new session named after its connection file and starts from the
+    empty state, as with ipykernel; JPY_SESSION_NAME in the kernel's environment names
+    the session, and the next run resumes it."""
+    nbclient = pytest.importorskip("nbclient")
+    nb = nbformat.v4.new_notebook()
+    nb.cells = [nbformat.v4.new_code_cell("print('seen' in globals())"),
+                nbformat.v4.new_code_cell("seen = 1"), nbformat.v4.new_code_cell("%session")]
+
+    def run(**kwargs):
+        """(the first cell's output, the session's name) of one nbclient run."""
+        out = nbclient.NotebookClient(nbformat.from_dict(nb), kernel_name=SPEC,
+                                      resources={"metadata": {"path": str(tmp_path)}},
+                                      ).execute(**kwargs)
+        first, session = ("".join(o.get("text", "") for o in out.cells[i].outputs)
+                          for i in (0, 2))
+        return first, re.match(r"session '([^']*)'", session).group(1)
+
+    runs = [run(), run()]
+    assert [first for first, _ in runs] == ["False\n", "False\n"]
+    assert runs[0][1] != runs[1][1]
+    named = str(tmp_path / "report.ipynb")
+    runs = [run(env=jupyter_env({"JPY_SESSION_NAME": named})) for _ in range(2)]
+    assert runs == [("False\n", named), ("True\n", named)]
 
 
 def test_server_stops_when_no_kernel_is_left(data_dir):

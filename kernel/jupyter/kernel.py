@@ -16,6 +16,7 @@ import platform
 import threading
 import uuid
 
+from ipykernel._version import kernel_protocol_version
 from ipykernel.kernelbase import Kernel
 from traitlets import Unicode
 
@@ -71,6 +72,19 @@ class SnapshotKernel(Kernel):
         connection_file = getattr(self.parent, "connection_file", "")
         stem = os.path.splitext(os.path.basename(connection_file))[0]
         return stem or f"kernel-{os.getpid()}"
+
+    @property
+    def kernel_info(self):
+        """ipykernel's, without "debugger": debugpy cannot reach the cells' processes,
+        and the base class's look for it imports debugpy, which prints its frozen-modules
+        warning into a terminal's `jupyter console`."""
+        features = ["kernel subshells"] if getattr(self, "_supports_kernel_subshells",
+                                                   False) else []
+        return {"protocol_version": kernel_protocol_version,
+                "implementation": self.implementation,
+                "implementation_version": self.implementation_version,
+                "language_info": self.language_info, "banner": self.banner,
+                "help_links": self.help_links, "supported_features": features}
 
     @property
     def banner(self):
@@ -210,8 +224,10 @@ class SnapshotKernel(Kernel):
         try:
             events = self._server_call(
                 # Jupyter starts a kernel in its notebook's folder: the cells run there.
+                # The cell's In[n] is the kernel's count, not the head's + 1: a magic
+                # counts, and %undo or %checkout moves the head back.
                 lambda c: c.execute_streamed(code, exec_id, head, new_name, os.getcwd(),
-                                             parent["header"].get("msg_id")))
+                                             parent["header"].get("msg_id"), n))
             for event in events:
                 if event["type"] == "output":
                     relay.output(event["output"])

@@ -199,7 +199,8 @@ class Registry:
 
     def execute(self, code, exec_id, state_name, new_name=None, on_output=None,
                 keep_live=True, cancel=None, cwd=None, fresh_imports=False,
-                keep_on_error=False, durable=True, message_id=None, timeout=None):
+                keep_on_error=False, durable=True, message_id=None, timeout=None,
+                execution_count=None):
         """Run `code` from `state_name`; on success name the new state `new_name`.
 
         Returns the ExecuteAnswer; `on_output(item)` receives the outputs as
@@ -208,8 +209,8 @@ class Registry:
         `cancel`: a threading.Event; set before the cell starts, the cell is
         interrupted as it starts (after, interrupt(exec_id) stops it). `cwd`:
         the notebook's folder (protocol.Execute's `home`): an absolute path to
-        a folder, else InvalidRequest. `fresh_imports`, `keep_on_error`,
-        `message_id`: protocol.Execute's. `durable` False: the new state may be lost
+        a folder, else InvalidRequest. `fresh_imports`, `keep_on_error`, `message_id`,
+        `execution_count`: protocol.Execute's. `durable` False: the new state may be lost
         to a machine crash until something flushes the store (a notebook run's
         states, made durable together when the run stores its results). `timeout`:
         the cell's limit in seconds instead of limits.cell_timeout_s (error Timeout).
@@ -234,7 +235,8 @@ class Registry:
                                    auto_named=new_name is None, exec_id=_key(exec_id),
                                    stream=on_output is not None, keep_live=keep_live,
                                    home=cwd, fresh_imports=fresh_imports,
-                                   keep_on_error=keep_on_error, message_id=message_id)
+                                   keep_on_error=keep_on_error, message_id=message_id,
+                                   execution_count=execution_count)
         result, child = self.cell_runs.run(manifest, request, on_output, cancel, timeout)
         answer = result.answer
         if answer.error is not None and self.closed:

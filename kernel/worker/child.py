@@ -140,7 +140,7 @@ class CellChild:
     def execute(self, msg):
         """Run a cell; on success store the new state. Returns (manifest or None, result)."""
         state, namespace = self.state, self.state.namespace
-        count = state.manifest["execution_count"] + 1
+        count = msg.execution_count or state.manifest["execution_count"] + 1
         cell = execution.compile_cell(msg.code, count)
         trace.stamp("compiled", msg.exec_id)
         if cell.error:
