@@ -242,7 +242,8 @@ class SnapshotKernel(Kernel):
             self.running = None
             relay.flush()
         if answer is None:
-            raise ServerError("the server's answer ended before the cell's", "ServerUnreachable")
+            raise ServerError("the server's answer ended before the cell did (did the server "
+                              "stop?); run the cell again", "ServerUnreachable")
         if answer.get("state_name"):
             with self.sessions.change(self.session_name) as session:
                 session.head = answer["state_name"]

@@ -31,8 +31,9 @@ def parse(code):
         return None
     if not all(calls):
         names = ", ".join(f"%{m.group(1)}" for m in calls if m)
-        raise UsageError(f"{names} must be alone in its cell (other code runs in a worker, "
-                         f"the kernel's magics in the kernel)")
+        raise UsageError(f"{names}: a cell of kernel magics holds nothing else (other code "
+                         f"runs in a worker, the kernel's magics in the kernel); put the "
+                         f"code in a cell of its own")
     return [(m.group(1), (m.group(2) or "").strip()) for m in calls]
 
 
@@ -75,12 +76,13 @@ class Magics:
         except ValueError:
             raise UsageError(f"%undo takes a number of cells, not {argument!r}") from None
         if steps < 1:
-            raise UsageError("%undo takes a number of cells of 1 or more")
+            raise UsageError(f"%undo takes a number of cells, 1 or more, not {steps}")
         with self.sessions.change(current) as session:
             lineage = session.lineage()
             if steps > len(lineage):
-                raise UsageError(f"the head has {len(lineage)} cell(s) of this session "
-                                 f"behind it; cannot undo {steps}")
+                raise UsageError(f"cannot undo {steps} cell(s): the head has "
+                                 f"{len(lineage)} cell(s) of this session behind it "
+                                 f"(%states lists them)")
             session.head = lineage[steps - 1]["parent"]
         return f"head: {self.where(current)}\n", current
 
@@ -95,7 +97,8 @@ class Magics:
             if argument.isdigit() and record is None:
                 raise UsageError(f"cell {argument} of session {current!r} made no state, "
                                  f"and no state is named {argument!r}")
-            raise UsageError(f"no state named {target!r} on the server")
+            raise UsageError(f"no state named {target!r} on the server: %states lists "
+                             f"this session's cells, %checkout N goes to cell N")
         with self.sessions.change(current) as session:
             session.head = target
         return f"head: {self.where(current)}\n", current

@@ -167,7 +167,7 @@ def _run_fresh(args, settings):
         return EXIT_BAD_INPUT
     except OSError as exc:
         print(f"{_prog(args)}: error: cannot write the receipt {args.fresh.receipt}: "
-              f"{exc.strerror}", file=sys.stderr)
+              f"{exc.strerror or exc}", file=sys.stderr)
         return EXIT_BAD_INPUT
     counts = receipt["counts"]
     progress.note(f"{'passed' if receipt['success'] else 'FAILED ' + receipt['category']}: "

@@ -254,7 +254,8 @@ class FreshRun:
                 cell.status, cell.category = CellStatus.FAILED, "SYNTAX_ERROR"
                 cell.error = compiled.error
                 raise Refused("SYNTAX_ERROR", f"{_name(cell)} does not compile: "
-                                              f"{compiled.error['ename']}")
+                                              f"{compiled.error['ename']}: "
+                                              f"{compiled.error['evalue']}")
 
     # The run -----------------------------------------------------------------
 

@@ -56,8 +56,8 @@ def validate(request):
         value = getattr(request, name)
         if value is not None and (not math.isfinite(value) or value < low or
                                   (name == "timeout" and value == 0)):
-            raise InvalidRequest(f"{name} must be a number of seconds, more than 0"
-                                 f"{' (0: none)' if name == 'cell_timeout' else ''}, "
+            raise InvalidRequest(f"{name} must be a number of seconds, "
+                                 f"{'0 (none) or more' if name == 'cell_timeout' else 'more than 0'}, "
                                  f"not {value}")
     if request.order not in ORDERS:
         raise InvalidRequest(f"unknown order {request.order!r}: use "
@@ -144,7 +144,8 @@ class NotebookRunner:
         """Forget a notebook's record (results stay: other notebooks may share them)."""
         with self.lock:
             if name in self.active:
-                raise Conflict(f"notebook {name!r} is running")
+                raise Conflict(f"notebook {name!r} is running: delete its record once "
+                               f"the run ends (or POST /interrupt with its exec_id)")
             self.analysed.pop(name, None)
         if self.store.record(name) is None:
             raise NotebookNotFound(f"no notebook named {name!r}")
@@ -185,9 +186,11 @@ class NotebookRunner:
         run = _Run(request, exec_id)
         with self.lock:
             if run.name in self.active:
-                raise Conflict(f"notebook {run.name!r} is already running")
+                raise Conflict(f"notebook {run.name!r} is already running: run it again "
+                               f"once that run ends (or POST /interrupt with its exec_id)")
             if exec_id in self.by_exec:
-                raise Conflict(f"exec_id {exec_id!r} is already running")
+                raise Conflict(f"exec_id {exec_id!r} is already running: give each run "
+                               f"an exec_id of its own")
             known = self.analysed.get(run.name, {})
             self.active[run.name] = self.by_exec[exec_id] = run
         try:

@@ -39,7 +39,7 @@ def read(path, strict=False):
         with open(path, "rb") as f:
             data = f.read()
     except OSError as exc:
-        raise NotebookFileError(f"cannot read {path}: {exc.strerror}") from None
+        raise NotebookFileError(f"cannot read {path}: {exc.strerror or exc}") from None
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # nbformat warns about what it repairs
         try:

@@ -84,7 +84,7 @@ class Registry:
         """The manifest of `name`; StateNotFound if there is none."""
         manifest = self._lookup(name)
         if manifest is None:
-            raise StateNotFound(f"no state named {name!r}")
+            raise StateNotFound(f"no state named {name!r} (GET /states lists them)")
         return manifest
 
     def _lookup(self, name):
@@ -251,7 +251,7 @@ class Registry:
             answer.state_name = None
             answer.error = protocol.error(
                 "StateDiscarded", "the store was reset while the cell ran; its new state "
-                "was not kept")
+                "was not kept: run the cell again from a state that exists now")
         return answer
 
     def _stored_answer(self, name, key, exec_id, code, state_name, cwd, on_output):
@@ -317,7 +317,8 @@ class Registry:
             self._raise_store_error(result.error, request.new_name)
             raise RequestFailed(result.error["evalue"], etype=result.error["ename"])
         if not self._bind(result.manifest, child, generation):
-            raise Conflict("the store was reset while the state was rebuilt; it was not kept")
+            raise Conflict("the store was reset while the state was rebuilt; it was not "
+                           "kept: rebuild it from states that exist now")
         if durable:
             self._flush()
         return dict(state_name=request.new_name, **_groups_of(result.manifest))
