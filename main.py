@@ -1,8 +1,8 @@
 """The command line of the snapshot kernel: it parses, then hands over.
 
     main.py [serve] --bind HOST:PORT --token TOKEN ...   the server (api/server.py)
-    main.py run NB.ipynb ...                            run a notebook (kernel/notebook/command.py)
-    main.py install-kernelspec ...                      the Jupyter kernel (kernel/jupyter/kernelspec.py)
+    main.py run NB.ipynb ...                            run a notebook (frontends/run.py)
+    main.py install-kernelspec ...                      the Jupyter kernel (frontends/jupyter/kernelspec.py)
     main.py fleet --servers N ...                       servers and HAProxy on one machine (kernel/fleet.py)
 
 Serving is the default: the reference's command line (options only) starts
@@ -174,7 +174,7 @@ _STORE_ONLY = ("rerun", "data_dir", "server", "allow_errors")
 
 def _kernelspec_options(p):
     """The options of `install-kernelspec`."""
-    from snapkernel.kernel.jupyter.kernelspec import DEFAULT_NAME
+    from snapkernel.frontends.jupyter.kernelspec import DEFAULT_NAME
     where = p.add_mutually_exclusive_group()
     where.add_argument("--user", action="store_true",
                        help="install for this user rather than system-wide")
@@ -284,13 +284,13 @@ def main(argv=None):
     """Parse the command line and run the command it names."""
     args = parse(sys.argv[1:] if argv is None else argv)
     if args.command == "install-kernelspec":
-        from snapkernel.kernel.jupyter.kernelspec import install
+        from snapkernel.frontends.jupyter.kernelspec import install
         sys.exit(install(args.name, args.user, args.prefix, args.config))
     if args.command == "run":
-        from snapkernel.kernel.notebook import command
+        from snapkernel.frontends.run import run
         settings = settings_of(args)
         setup_logging(settings["server.log_file"], args.verbose)
-        sys.exit(command.run(args, settings))
+        sys.exit(run(args, settings))
     if args.command == "fleet":
         sys.exit(_fleet(args))
     # Workers inherit the environment: cells must not find the token there.

@@ -257,7 +257,7 @@ BREAKAGES = [
        "tests/test_processes.py::test_server_never_forks_and_sigterm_leaves_no_worker"]),
     # tests/test_widgets.py ---------------------------------------------------------
     B("comms-cut", "the Jupyter kernel does not relay its cells' comm messages",
-      [("kernel/jupyter/kernel.py",
+      [("frontends/jupyter/kernel.py",
         "                    self._note_comm(event[\"msg_type\"], event[\"content\"])\n"
         "                    relay.comm(event)\n",
         "                    pass\n")],
@@ -265,7 +265,7 @@ BREAKAGES = [
        "tests/test_widgets.py::test_progress_bar_updates_while_its_cell_runs",
        "tests/test_widgets.py::test_widgets_in_jupyterlab"]),
     B("front-end-comms-dropped", "a front end's comm messages never reach the state's process",
-      [("kernel/jupyter/kernel.py",
+      [("frontends/jupyter/kernel.py",
         "        await asyncio.to_thread(self._deliver_comm, parent)\n",
         "        return\n")],
       ["tests/test_widgets.py::test_slider_both_ways",
@@ -299,7 +299,7 @@ BREAKAGES = [
        "tests/test_widgets.py::test_interact_output_after_a_slider_move_as_in_ipykernel",
        "tests/test_widgets.py::test_output_widget_in_jupyterlab"]),
     B("comm-cell-parent-dropped", "a front end's comm message runs without its msg_id",
-      [("kernel/jupyter/kernel.py", "parent[\"header\"].get(\"msg_id\")))",
+      [("frontends/jupyter/kernel.py", "parent[\"header\"].get(\"msg_id\")))",
         "parent[\"header\"].get(\"msg_id\") if parent[\"header\"][\"msg_type\"] == "
         "\"execute_request\" else None))")],
       ["tests/test_widgets.py::test_interact_output_after_a_slider_move_as_in_ipykernel",

@@ -13,7 +13,8 @@ import nbformat
 import pytest
 
 from snapkernel.kernel import config
-from snapkernel.kernel.notebook import command, environment, fresh_file, receipt
+from snapkernel.frontends import run as command
+from snapkernel.kernel.notebook import environment, fresh_file, receipt
 from snapkernel.kernel.protocol import FreshOptions
 from snapkernel.storage.store import Store
 

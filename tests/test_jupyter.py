@@ -1,4 +1,4 @@
-"""The Jupyter kernel (kernel/jupyter/) through its installed kernelspec.
+"""The Jupyter kernel (frontends/jupyter/) through its installed kernelspec.
 
 Every test starts real kernels with jupyter_client (or nbclient, papermill,
 JupyterLab in Chromium) from a kernelspec that `python main.py
@@ -483,7 +483,7 @@ class Lab:
         pids = set()
         for p in psutil.Process(self.lab.pid).children():
             try:
-                if "snapkernel.kernel.jupyter.kernel" in " ".join(p.cmdline()):
+                if "snapkernel.frontends.jupyter.kernel" in " ".join(p.cmdline()):
                     pids.add(p.pid)
             except psutil.NoSuchProcess:
                 continue  # exited since it was listed: not a running kernel

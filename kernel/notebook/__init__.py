@@ -11,8 +11,8 @@ fresh (the run, and one asked for over HTTP), fresh_file (a file's run:
 its checks, promotion, receipt), environment (the explicit environment),
 processes, receipt.
 
-Both: ipynb (.ipynb files in and out), command (the `run` command);
-atomic writes and file digests are kernel/files.py.
+Both: ipynb (.ipynb files in and out); atomic writes and file digests are
+kernel/files.py. The `run` command over them is frontends/run.py.
 """
 
 import sys

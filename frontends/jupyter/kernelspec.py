@@ -21,7 +21,7 @@ from snapkernel.kernel import launch
 DEFAULT_NAME = "snapshot"
 DISPLAY_NAME = "Python (snapshot)"
 _NAME = re.compile(r"^[a-zA-Z0-9._-]+$")  # what jupyter_client accepts
-_LAUNCH = "from snapkernel.kernel.jupyter.kernel import main; main()"
+_LAUNCH = "from snapkernel.frontends.jupyter.kernel import main; main()"
 _LAUNCH_FROM = "import sys; sys.path.insert(0, sys.argv.pop(1)); " + _LAUNCH
 
 

@@ -22,10 +22,10 @@ from traitlets import Unicode
 
 from snapkernel.kernel import __version__, protocol
 from snapkernel.kernel import config as config_mod
-from snapkernel.kernel.jupyter import introspect, iopub, magics
-from snapkernel.kernel.jupyter.backend import backend
+from snapkernel.frontends.jupyter import introspect, iopub, magics
+from snapkernel.frontends.jupyter.backend import backend
 from snapkernel.api.client import ServerError
-from snapkernel.kernel.jupyter.sessions import Sessions
+from snapkernel.frontends.jupyter.sessions import Sessions
 
 
 class SnapshotKernel(Kernel):

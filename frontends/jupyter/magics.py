@@ -12,7 +12,7 @@ other lines would run in a worker, after or before a head that moved.
 
 import re
 
-from snapkernel.kernel.jupyter.sessions import INITIAL
+from snapkernel.frontends.jupyter.sessions import INITIAL
 
 NAMES = ("states", "undo", "checkout", "branch", "session")
 _LINE = re.compile(r"%(" + "|".join(NAMES) + r")(?:\s+(.*))?$")
