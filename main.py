@@ -20,7 +20,7 @@ import os
 import sys
 
 from snapkernel.kernel import config as config_mod
-from snapkernel.kernel.protocol import ORDERS, FreshOptions
+from snapkernel.kernel.notebook.model import ORDERS, FreshOptions
 
 COMMANDS = ("serve", "run", "install-kernelspec", "fleet")
 

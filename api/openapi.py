@@ -12,9 +12,9 @@ import keyword
 
 from snapkernel.kernel import __version__
 from snapkernel.kernel.notebook.environment import REFUSED_PARTS
-from snapkernel.kernel.protocol import (CELL_FIELDS, ORDERS, STATE_KINDS, CellStatus,
-                                        ExecuteAnswer,
-                                        FreshOptions, NotebookRequest, NotebookRun)
+from snapkernel.kernel.notebook.model import (CELL_FIELDS, ORDERS, STATE_KINDS, CellStatus,
+                                              FreshOptions, NotebookRequest, NotebookRun)
+from snapkernel.kernel.protocol import ExecuteAnswer
 from snapkernel.kernel.server.registry import MAX_NAME_BYTES
 
 MAX_NAME = 200

@@ -27,8 +27,8 @@ from snapkernel.api.validation import check_body, check_state_name
 from snapkernel.kernel import config as config_mod
 from snapkernel.kernel import trace
 from snapkernel.kernel.errors import ServerStopping
-from snapkernel.kernel.protocol import (STATE_KINDS, FreshOptions, NotebookCell, NotebookRequest,
-                                        is_notebook_state)
+from snapkernel.kernel.notebook.model import (STATE_KINDS, FreshOptions, NotebookCell,
+                                              NotebookRequest, is_notebook_state)
 from snapkernel.kernel.server.registry import Registry
 from snapkernel.storage.store import claim_store
 

@@ -18,7 +18,7 @@ import time
 from tqdm import tqdm
 
 from snapkernel.kernel.errors import InvalidRequest
-from snapkernel.kernel.protocol import CellStatus, NotebookCell, NotebookRequest, NotebookRun
+from snapkernel.kernel.notebook.model import CellStatus, NotebookCell, NotebookRequest, NotebookRun
 
 # Exit statuses of `main.py run`.
 EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT = 0, 1, 2
@@ -220,7 +220,7 @@ class Progress:
 
     def __init__(self, total, cells=()):
         """For a notebook of `total` code cells (None: not known yet), the request's
-        `cells` (protocol.NotebookCell) giving their positions."""
+        `cells` (model.NotebookCell) giving their positions."""
         self.total = total
         self.numbers = {c.id: c.index + 1 for c in cells}
         self.started = time.monotonic()
@@ -228,7 +228,7 @@ class Progress:
                         leave=False) if sys.stderr.isatty() else None
 
     def cell(self, cell):
-        """A cell's status changed (a protocol.NotebookCell)."""
+        """A cell's status changed (a model.NotebookCell)."""
         if cell.status == CellStatus.PENDING:
             return
         if cell.status == CellStatus.RUNNING:

@@ -15,7 +15,7 @@ import pytest
 from snapkernel.kernel import config
 from snapkernel.frontends import run as command
 from snapkernel.kernel.notebook import environment, fresh_file, receipt
-from snapkernel.kernel.protocol import FreshOptions
+from snapkernel.kernel.notebook.model import FreshOptions
 from snapkernel.storage.store import Store
 
 OK = "assert 2 + 2 == 4"

@@ -1,5 +1,5 @@
-"""Notebook runs, on the one model of kernel/protocol.py (NotebookRequest,
-NotebookCell, NotebookRun).
+"""Notebook runs, on the one model of model.py (NotebookRequest, NotebookCell,
+NotebookRun).
 
 Incremental runs, the least work that brings every cell up to date:
 analysis (what a cell defines and reads, from its parse), graph (the two

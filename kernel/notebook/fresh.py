@@ -3,8 +3,8 @@
 A fresh run starts machinery of its own: a Registry (kernel/server/) on a
 temporary store, whose pool spawns a brand-new zygote interpreter in the
 run's explicit environment and working directory (kernel/notebook/
-environment.py). Its cells are protocol.NotebookCell, its options a
-protocol.FreshOptions. No warm zygote (of third-party modules, only the kernel's
+environment.py). Its cells are model.NotebookCell, its options a
+model.FreshOptions. No warm zygote (of third-party modules, only the kernel's
 own, such as lmdb and cloudpickle, are imported before the notebook imports
 anything), no spare children, one live state at a time. The code cells
 run in order, each from the state the previous one made, starting from the
@@ -43,8 +43,9 @@ import time
 from snapkernel.kernel import protocol
 from snapkernel.kernel.errors import InvalidRequest
 from snapkernel.kernel.notebook import environment, ipynb, parameters as params, processes
-from snapkernel.kernel.notebook import receipt
-from snapkernel.kernel.protocol import SKIP_TAGS, CellStatus, ExecuteAnswer, NotebookRun
+from snapkernel.kernel.notebook import model, receipt
+from snapkernel.kernel.notebook.model import SKIP_TAGS, CellStatus, NotebookRun
+from snapkernel.kernel.protocol import ExecuteAnswer
 from snapkernel.kernel.server.registry import Registry
 from snapkernel.kernel.worker.process import worker_env
 from snapkernel.storage.store import StoreError
@@ -122,10 +123,10 @@ def output_size(output):
 
 
 class FreshRun:
-    """One fresh run of `cells` (protocol.NotebookCell, each NOT_RUN until taken).
+    """One fresh run of `cells` (model.NotebookCell, each NOT_RUN until taken).
 
     `settings` is the configuration (kernel.config.load); `options` a
-    protocol.FreshOptions: `env` the names to pass from the caller's
+    model.FreshOptions: `env` the names to pass from the caller's
     environment besides the configured ones (each must be set), `cwd` the
     working directory, `expected_environment` the environment SHA-256 the
     interpreter must have, `keep_states` a folder that keeps the run's store
@@ -162,7 +163,7 @@ class FreshRun:
         self.peak_bytes = 0
         self.cleanup = {"status": "ok", "seconds": 0.0, "processes_observed": 0,
                         "processes_left": 0, "files_removed": True}
-        self.started_at = protocol.now()
+        self.started_at = model.now()
         self.ended_at = None
         self.seconds = 0.0
         self.lock = threading.Lock()
@@ -200,7 +201,7 @@ class FreshRun:
                 self.refuse(exc.category, str(exc))
             finally:
                 self._clean_up(workdir)
-        self.ended_at = protocol.now()
+        self.ended_at = model.now()
         self.seconds = round(time.monotonic() - start, 3)
         return self
 
@@ -320,7 +321,7 @@ class FreshRun:
                 cell.status = CellStatus.RUNNING
                 self.running_exec = f"fresh-{cell.index}"
             started = time.monotonic()
-            busy = protocol.timing_stamp()
+            busy = model.timing_stamp()
             try:
                 answer = self.registry.execute(cell.source, self.running_exec, state, cell.id)
             except Exception as exc:  # the machinery failed (the store, a worker's start)
@@ -330,7 +331,7 @@ class FreshRun:
                 if self.abandoned:
                     return
                 cell.took_s = round(time.monotonic() - started, 3)
-                cell.execution = protocol.timings(busy, protocol.timing_stamp())
+                cell.execution = model.timings(busy, model.timing_stamp())
                 self._record(cell, answer)
                 self.running_exec = None
             if self.on_cell:

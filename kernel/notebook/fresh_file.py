@@ -65,7 +65,7 @@ def run_file(source, output, options, settings, adopt_orphans=False, on_cell=Non
     """Run the notebook at `source` fresh, writing the executed notebook to `output`
     (None: nowhere); returns the finished FreshRun and its receipt.
 
-    `options` is a protocol.FreshOptions (its `receipt`, `lock` and
+    `options` is a model.FreshOptions (its `receipt`, `lock` and
     `overwrite` are about files, and this module's); Refused(BAD_INPUT),
     before anything else, when no receipt can be written at
     `options.receipt` (None: no receipt file). `on_cell(cell)` is called as

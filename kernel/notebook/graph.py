@@ -31,7 +31,8 @@ import dataclasses
 import heapq
 
 from snapkernel.kernel.notebook.analysis import BUILTINS
-from snapkernel.kernel.protocol import ORDERS, error
+from snapkernel.kernel.notebook.model import ORDERS
+from snapkernel.kernel.protocol import error
 
 
 @dataclasses.dataclass

@@ -13,7 +13,7 @@ needed (`Registry.add_state`). After the cells, the notebook's final state
 states or composed the same way, and stored as a result too, under the
 key of its composition.
 
-The record of a run (protocol.NotebookRun) is kept in memory while the
+The record of a run (model.NotebookRun) is kept in memory while the
 run goes on, for GET /notebooks/NAME, and stored when it ends, with the
 results of the cells that ran, in one synced transaction, which also makes
 durable every state the run made: the cells' states are committed without
@@ -35,9 +35,11 @@ import uuid
 from snapkernel.kernel.errors import Conflict, InvalidRequest, KernelError, NotebookNotFound
 from snapkernel.kernel.notebook import analysis, graph as graph_mod, inputs, ipynb
 from snapkernel.kernel.notebook import keys as keys_mod, parameters as params, planner
+from snapkernel.kernel.notebook.model import (NOTEBOOK_STATE_PREFIX, ORDERS, WITH_RESULT,
+                                              CellStatus, NotebookRun, now, timing_stamp,
+                                              timings)
+from snapkernel.kernel.protocol import error
 from snapkernel.kernel.server.registry import check_folder
-from snapkernel.kernel.protocol import (NOTEBOOK_STATE_PREFIX, ORDERS, WITH_RESULT, CellStatus,
-                                        NotebookRun, error, now, timing_stamp, timings)
 from snapkernel.storage.notebooks import NotebookStore
 from snapkernel.storage.store import StoreError, StoreFull
 
@@ -172,9 +174,9 @@ class NotebookRunner:
     # A run -----------------------------------------------------------------------
 
     def run(self, request, progress=None):
-        """Run `request` (protocol.NotebookRequest); returns the run's NotebookRun.
+        """Run `request` (model.NotebookRequest); returns the run's NotebookRun.
 
-        `progress(cell)` is called with a copy of a cell (protocol.NotebookCell)
+        `progress(cell)` is called with a copy of a cell (model.NotebookCell)
         whenever its status changes. Its parameters are injected into its cells
         first (kernel/notebook/parameters.py): the record holds the injected cell.
         """

@@ -21,7 +21,7 @@ import nbformat
 from snapkernel.kernel import files
 from snapkernel.kernel.notebook import parameters as params
 from snapkernel.kernel.notebook.graph import is_parse_error
-from snapkernel.kernel.protocol import CellStatus, NotebookCell
+from snapkernel.kernel.notebook.model import CellStatus, NotebookCell
 
 
 class NotebookFileError(Exception):
@@ -62,7 +62,7 @@ def read(path, strict=False):
 
 
 def code_cells(notebook):
-    """The notebook's code cells, in order, as protocol.NotebookCell (id, source,
+    """The notebook's code cells, in order, as model.NotebookCell (id, source,
     index among all its cells, tags)."""
     return [NotebookCell(id=cell.get("id") or f"cell-{n}", source=cell.source, index=n,
                          tags=tuple(cell.get("metadata", {}).get("tags", ())))
@@ -100,7 +100,7 @@ def inject(notebook, parameters):
 
 def executed(notebook, cells, language=None):
     """A copy of `notebook` with the outputs, execution counts and timings of the run's
-    `cells` (protocol.NotebookCell, by index), nbformat-valid; `language` its
+    `cells` (model.NotebookCell, by index), nbformat-valid; `language` its
     metadata.language_info (default: this interpreter's)."""
     result = nbformat.from_dict(notebook)
     result.metadata["language_info"] = language or language_info()

@@ -27,7 +27,7 @@ import dataclasses
 import keyword
 import math
 
-from snapkernel.kernel.protocol import NotebookCell
+from snapkernel.kernel.notebook.model import NotebookCell
 
 PARAMETERS_TAG = "parameters"
 INJECTED_TAG = "injected-parameters"
@@ -166,7 +166,7 @@ def unique_id(taken):
 
 
 def inject(cells, parameters):
-    """`cells` (protocol.NotebookCell) with `parameters` injected: the cell tagged
+    """`cells` (model.NotebookCell) with `parameters` injected: the cell tagged
     injected-parameters given their source, else a cell added after the first tagged
     parameters, else at the top; `cells` itself when there are no parameters."""
     if not parameters:

@@ -14,7 +14,7 @@ import fastjsonschema
 
 from snapkernel.kernel import __version__
 from snapkernel.kernel import files
-from snapkernel.kernel.protocol import FRESH_STATUSES, CellStatus
+from snapkernel.kernel.notebook.model import FRESH_STATUSES, CellStatus
 
 FORMAT = 2  # 2: "parameters"
 
