@@ -143,7 +143,7 @@ _GROUPS = {
 }
 
 
-# The schema of each field of a notebook run's cell (kernel.protocol.CELL_FIELDS).
+# The schema of each field of a notebook run's cell (kernel.notebook.model.CELL_FIELDS).
 _NOTEBOOK_CELL = {
     "type": "object", "required": list(CELL_FIELDS),
     "properties": {

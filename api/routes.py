@@ -27,8 +27,7 @@ from snapkernel.api.validation import check_body, check_state_name
 from snapkernel.kernel import config as config_mod
 from snapkernel.kernel import trace
 from snapkernel.kernel.errors import ServerStopping
-from snapkernel.kernel.notebook.model import (STATE_KINDS, FreshOptions, NotebookCell,
-                                              NotebookRequest, is_notebook_state)
+from snapkernel.kernel.notebook.model import STATE_KINDS, NotebookRequest, is_notebook_state
 from snapkernel.kernel.server.registry import Registry
 from snapkernel.storage.store import claim_store
 
@@ -290,25 +289,6 @@ def path_name(name, prefix="/states/", what="the state name"):
     return check_state_name(name, what)
 
 
-def notebook_request(data):
-    """The NotebookRequest of a checked POST /notebooks/run body (its schema refuses the
-    options of the other kind of run)."""
-    fresh = None
-    if data.get("fresh"):
-        fresh = FreshOptions(**{k: data[k] for k in FreshOptions.names(command=False)
-                                if data.get(k) is not None})
-    cells = [NotebookCell(id=c["id"], source=c["source"], index=n,
-                          tags=tuple(c.get("tags") or ()))
-             for n, c in enumerate(data["cells"])]
-    return NotebookRequest(data["notebook"], cells, order=data.get("order") or "notebook",
-                           rerun=data.get("rerun") or [], exec_id=data.get("exec_id"),
-                           fresh=fresh, cwd=data.get("cwd"),
-                           allow_errors=bool(data.get("allow_errors")),
-                           parameters=data.get("parameters") or None,
-                           timeout=None if fresh else data.get("timeout"),
-                           cell_timeout=None if fresh else data.get("cell_timeout"))
-
-
 def _cell_line(cell):
     """The line of a notebook run's cell whose status changed."""
     return {"type": "cell", "cell": cell.to_json()}
@@ -407,7 +387,7 @@ def run_notebook():
     """Bring every cell of a notebook up to date, running only what could have changed;
     with "fresh": true, run every cell from scratch in a new interpreter, with a receipt."""
     data = body("/notebooks/run")
-    request = notebook_request(data)
+    request = NotebookRequest.from_json(data)
     if request.fresh is not None:
         from snapkernel.kernel.notebook import fresh
         return answered(lambda on_cell: fresh.run_request(request, service.settings, on_cell),

@@ -125,16 +125,10 @@ def _through_server(args, request, progress):
         client = Client(args.server, args.token, timeout=60, affinity=request.notebook)
     except ValueError as exc:
         raise Refused(f"--server: {exc}") from None
-    body = {"notebook": request.notebook, "order": request.order, "rerun": request.rerun,
-            "exec_id": request.exec_id, "cwd": request.cwd,
-            "allow_errors": request.allow_errors, "parameters": request.parameters,
-            "timeout": request.timeout, "cell_timeout": request.cell_timeout,
-            "cells": [{"id": c.id, "source": c.source, "tags": list(c.tags)}
-                      for c in request.cells]}
 
     def start(on_cell):
         """The run's request; its cells' events go to `on_cell`."""
-        for event in client.run_notebook(body):
+        for event in client.run_notebook(request.to_json()):
             if event["type"] == "cell":
                 on_cell(NotebookCell.from_json(event["cell"]))
             elif event["type"] == "answer":

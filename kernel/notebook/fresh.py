@@ -469,17 +469,9 @@ def run_request(request, settings, on_cell=None):
     every `state_name` and `key` is null.
     """
     options = request.fresh
-    try:
-        params.check(request.parameters or {})
-    except params.ParameterError as exc:
-        raise InvalidRequest(str(exc)) from None
+    request.check()
     request = dataclasses.replace(request, cells=params.inject(request.cells,
                                                                request.parameters))
-    ids = set()
-    for cell in request.cells:
-        if cell.id in ids:
-            raise InvalidRequest(f"cell id {cell.id!r} appears more than once")
-        ids.add(cell.id)
     if options.cwd is not None and not os.path.isabs(options.cwd):
         raise InvalidRequest("cwd must be an absolute path on the server")
     try:

@@ -35,9 +35,8 @@ import uuid
 from snapkernel.kernel.errors import Conflict, InvalidRequest, KernelError, NotebookNotFound
 from snapkernel.kernel.notebook import analysis, graph as graph_mod, inputs, ipynb
 from snapkernel.kernel.notebook import keys as keys_mod, parameters as params, planner
-from snapkernel.kernel.notebook.model import (NOTEBOOK_STATE_PREFIX, ORDERS, WITH_RESULT,
-                                              CellStatus, NotebookRun, now, timing_stamp,
-                                              timings)
+from snapkernel.kernel.notebook.model import (NOTEBOOK_STATE_PREFIX, WITH_RESULT, CellStatus,
+                                              NotebookRun, now, timing_stamp, timings)
 from snapkernel.kernel.protocol import error
 from snapkernel.kernel.server.registry import check_folder
 from snapkernel.storage.notebooks import NotebookStore
@@ -49,11 +48,6 @@ STATE_PREFIX = NOTEBOOK_STATE_PREFIX
 def validate(request):
     """Check an incremental run's request; InvalidRequest naming the problem."""
     check_folder(request.cwd)
-    if request.parameters is not None:
-        try:
-            params.check(request.parameters)
-        except params.ParameterError as exc:
-            raise InvalidRequest(str(exc)) from None
     for name, low in (("timeout", 0), ("cell_timeout", 0)):
         value = getattr(request, name)
         if value is not None and (not math.isfinite(value) or value < low or
@@ -61,22 +55,7 @@ def validate(request):
             raise InvalidRequest(f"{name} must be a number of seconds, "
                                  f"{'0 (none) or more' if name == 'cell_timeout' else 'more than 0'}, "
                                  f"not {value}")
-    if request.order not in ORDERS:
-        raise InvalidRequest(f"unknown order {request.order!r}: use "
-                             f"{' or '.join(repr(o) for o in ORDERS)}")
-    seen = set()
-    for cell in request.cells:
-        if not isinstance(cell.id, str) or not cell.id:
-            raise InvalidRequest(f"cells[{cell.index}] needs an id (a non-empty string)")
-        if not isinstance(cell.source, str):
-            raise InvalidRequest(f"cell {cell.id!r} needs a source (a string)")
-        if cell.id in seen:
-            raise InvalidRequest(f"cell id {cell.id!r} appears more than once")
-        seen.add(cell.id)
-    unknown = [r for r in request.rerun if r not in seen]
-    if unknown:
-        raise InvalidRequest(f"rerun names cell(s) not in the notebook: "
-                             f"{', '.join(repr(u) for u in unknown)}")
+    request.check()
 
 
 class _Run:

@@ -12,6 +12,8 @@ import enum
 import re
 from dataclasses import dataclass, field
 
+from snapkernel.kernel.errors import InvalidRequest
+
 
 class CellStatus(enum.StrEnum):
     """What became of a cell in a notebook run (a str: it is its JSON form)."""
@@ -178,6 +180,73 @@ class NotebookRequest:
 
     # Options an incremental run takes and a fresh run does not.
     INCREMENTAL_ONLY = ("order", "rerun", "exec_id", "allow_errors")
+
+    def to_json(self):
+        """The request as POST /notebooks/run's body (without `stream`, which is how the
+        answer travels, not what is run). A cell's `index` is not sent: the server
+        numbers the cells as they come."""
+        data = {"notebook": self.notebook, "cwd": self.cwd, "parameters": self.parameters,
+                "cells": [{"id": c.id, "source": c.source, "tags": list(c.tags)}
+                          for c in self.cells]}
+        if self.fresh is None:
+            data.update({k: getattr(self, k)
+                         for k in (*self.INCREMENTAL_ONLY, "timeout", "cell_timeout")})
+        else:
+            data["fresh"] = True
+            data.update({k: getattr(self.fresh, k) for k in FreshOptions.names(command=False)
+                         if k != "cwd"})
+        return data
+
+    @classmethod
+    def from_json(cls, data):
+        """The request of a POST /notebooks/run body that fits its schema (which the HTTP
+        layer checks; it refuses the options of the other kind of run); InvalidRequest
+        for cells that are not one notebook's (see check)."""
+        fresh = None
+        if data.get("fresh"):
+            fresh = FreshOptions(**{k: data[k] for k in FreshOptions.names(command=False)
+                                    if data.get(k) is not None})
+        cells = [NotebookCell(id=c["id"], source=c["source"], index=n,
+                              tags=tuple(c.get("tags") or ()))
+                 for n, c in enumerate(data["cells"])]
+        request = cls(data["notebook"], cells, order=data.get("order") or "notebook",
+                      rerun=data.get("rerun") or [], exec_id=data.get("exec_id"),
+                      fresh=fresh, cwd=data.get("cwd"),
+                      allow_errors=bool(data.get("allow_errors")),
+                      parameters=data.get("parameters") or None,
+                      timeout=None if fresh else data.get("timeout"),
+                      cell_timeout=None if fresh else data.get("cell_timeout"))
+        request.check()
+        return request
+
+    def check(self):
+        """InvalidRequest unless the cells are one notebook's (each with an id of its own
+        and a source), an incremental run's order and reruns name what there is, and
+        the parameters are papermill's (kernel/notebook/parameters.py).
+        The runners check each request they take: the command builds its own."""
+        if self.fresh is None and self.order not in ORDERS:
+            raise InvalidRequest(f"unknown order {self.order!r}: use "
+                                 f"{' or '.join(repr(o) for o in ORDERS)}")
+        seen = set()
+        for n, cell in enumerate(self.cells):
+            if not isinstance(cell.id, str) or not cell.id:
+                raise InvalidRequest(f"cells[{n}] needs an id (a non-empty string)")
+            if not isinstance(cell.source, str):
+                raise InvalidRequest(f"cell {cell.id!r} needs a source (a string)")
+            if cell.id in seen:
+                raise InvalidRequest(f"cell id {cell.id!r} appears more than once")
+            seen.add(cell.id)
+        unknown = [r for r in self.rerun if r not in seen]
+        if unknown:
+            raise InvalidRequest(f"rerun names cell(s) not in the notebook: "
+                                 f"{', '.join(repr(u) for u in unknown)}")
+        if self.parameters is not None:
+            # Imported here: parameters.py makes cells of this model.
+            from snapkernel.kernel.notebook import parameters
+            try:
+                parameters.check(self.parameters)
+            except parameters.ParameterError as exc:
+                raise InvalidRequest(str(exc)) from None
 
 
 @dataclass
