@@ -181,6 +181,30 @@ def test_multistate_execute(server):
     assert r["error"]["ename"] == "StateNotFound"
 
 
+@pytest.mark.parametrize("restarted", [False, True], ids=["live", "restored"])
+def test_a_cell_reports_the_same_symbols_through_execute_and_multistate(make_server,
+                                                                        tmp_path, restarted):
+    """One symbol diff for both routes: a name the cell assigns is modified even when it
+    is bound to the same object again (a list's `+=`), a name it deletes is deleted,
+    one it never touches is neither, also from a state restored lazily (the names the
+    cell does not touch are not loaded when it runs)."""
+    srv = make_server(tmp_path / "store")
+    srv.execute("xs = [1, 2]\ngone = 1\nuntouched = {'k': 1}\nbig = list(range(10))",
+                new="sem-diff")
+    if restarted:
+        srv.stop()
+        srv = make_server(tmp_path / "store")
+    code = "xs += [3]\ndel gone\nmade = len(xs)"
+    one = srv.execute(code, state="sem-diff")
+    many = srv.post("/multistate_execute", {"code": code, "exec_id": "sem-diff-ms",
+                                            "state_mapping": {},
+                                            "default_state": "sem-diff"}).json()
+    assert many["error"] is None, many["error"]
+    symbols = [(a["accessed_symbols"], a["modified_symbols"], a["deleted_symbols"])
+               for a in (one, many)]
+    assert symbols == [(["xs"], ["made", "xs"], ["gone"])] * 2
+
+
 def test_rebuild_state(server):
     server.execute("a = [1]\nb = a\nc = 3\nd = 4", new="sem-in")
     server.execute("c = 30\nd = 40\ne = [5]", new="sem-src")

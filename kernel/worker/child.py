@@ -15,6 +15,7 @@ import select
 import sys
 import traceback
 import types
+from typing import NamedTuple
 
 from snapkernel.kernel import protocol, trace
 from snapkernel.kernel.channel import ChannelClosed
@@ -29,6 +30,35 @@ from snapkernel.storage.store import StoreError
 # or when the next request comes, whichever is first (see CellChild.run); a next cell
 # from that state that comes within workers.chain_step_s instead runs without it.
 HOLDER_AFTER_S = 0.002
+
+
+class Symbols(NamedTuple):
+    """What a cell did to the names of its namespace: the answer's symbols, and what
+    saving the state it made needs."""
+    accessed: set  # names of the state it read
+    modified: set  # names it made, bound to another object, or assigned again
+    deleted: set  # names of the state it deleted
+    rebound: set  # names it made or bound to another object
+    after: set  # every user name once it ran
+
+    @classmethod
+    def of(cls, found, namespace, before, names_before, unloaded):
+        """The symbols of a cell whose reads and writes are `found` (reads.Analysis),
+        which ran in `namespace`: `before` held {name: object} of the names loaded
+        then, `names_before` every name of the state, `unloaded` the names still not
+        loaded (the state's, not deleted)."""
+        after = user_names(namespace)
+        rebound = {n for n in after if n not in before or before[n] is not namespace[n]}
+        return cls(accessed=found.reads & names_before,
+                   modified=rebound | (found.writes & after),
+                   deleted=names_before - after - unloaded, rebound=rebound, after=after)
+
+    def answer(self, outputs, error, count, **fields):
+        """The cell's answer (with the other `fields` of an ExecuteAnswer)."""
+        return ExecuteAnswer(output=outputs, error=error, execution_count=count,
+                             accessed_symbols=sorted(self.accessed),
+                             modified_symbols=sorted(self.modified),
+                             deleted_symbols=sorted(self.deleted), **fields)
 
 
 class CellChild:
@@ -166,27 +196,22 @@ class CellChild:
             files_read, files_written = opened.stop()
         outputs = note + outputs
         trace.stamp("ran", msg.exec_id)
-        after = user_names(namespace)
-        rebound = {n for n in after if n not in before or before[n] is not namespace[n]}
-        modified = rebound | (found.writes & after)
-        deleted = names_before - after - state.unloaded_names()
-        answer = ExecuteAnswer(output=outputs, error=error, execution_count=count,
-                               accessed_symbols=sorted(found.reads & names_before),
-                               modified_symbols=sorted(modified),
-                               deleted_symbols=sorted(deleted),
-                               files_read=files_read, files_written=files_written)
+        symbols = Symbols.of(found, namespace, before, names_before, state.unloaded_names())
+        answer = symbols.answer(outputs, error, count, files_read=files_read,
+                                files_written=files_written)
         if error is not None and not msg.keep_on_error:
             return None, protocol.CellResult(answer)
         context.watch_attribute_writes(cell.codes, namespace)
         self.channel.send(protocol.Phase("saving"))
-        touched = found.reads | found.writes | modified | deleted
+        touched = found.reads | found.writes | symbols.modified | symbols.deleted
         if found.dynamic:
-            touched |= names_before | after
+            touched |= names_before | symbols.after
         try:
             # Holders restoring in the background wait meanwhile, as while children load:
             # the answer waits for this save and nothing else.
             with self.state.child_loads.held():
-                manifest = self.save(msg, count, touched, after, rebound, home, answer)
+                manifest = self.save(msg, count, touched, symbols.after, symbols.rebound,
+                                     home, answer)
         except StoreError as exc:  # StoreFull among them: the server answers 507
             answer.error = protocol.error(type(exc).__name__, str(exc), [])
             return None, protocol.CellResult(answer)
@@ -327,13 +352,8 @@ class CellChild:
         context.fresh_generators(state.context)
         outputs, error = limits.run_limited(cell, namespace, count, state.settings,
                                             self.sink(msg))
-        after = user_names(namespace)
-        return None, protocol.CellResult(ExecuteAnswer(
-            output=outputs, error=error, execution_count=count,
-            accessed_symbols=sorted(found.reads & names_before),
-            modified_symbols=sorted(
-                n for n in after if n not in before or before[n] is not namespace[n]),
-            deleted_symbols=sorted(names_before - after)))
+        symbols = Symbols.of(found, namespace, before, names_before, state.unloaded_names())
+        return None, protocol.CellResult(symbols.answer(outputs, error, count))
 
     def rebuild(self, msg):
         """Make a state of `source_vars` from a source state and `input_vars` from this one.
