@@ -15,7 +15,6 @@ import hmac
 import json
 import logging
 import os
-import queue
 import threading
 import urllib.parse
 
@@ -28,6 +27,7 @@ from snapkernel.kernel import config as config_mod
 from snapkernel.kernel import trace
 from snapkernel.kernel.errors import ServerStopping
 from snapkernel.kernel.notebook.model import STATE_KINDS, NotebookRequest, is_notebook_state
+from snapkernel.kernel.relay import ERROR, EVENT, Relay
 from snapkernel.kernel.server.registry import Registry
 from snapkernel.storage.store import claim_store
 
@@ -240,35 +240,25 @@ def answered(run, streamed, line=None):
     """
     if not streamed:
         return run(None).to_json()
-    events = queue.Queue()
     exec_id = bottle.request.environ.get("snapk.exec_id")
-
-    def work():
-        """Run the request in a thread of its own, feeding `events`."""
-        try:
-            events.put({"type": "answer", "answer": run(
-                lambda event: events.put(event if line is None else line(event))).to_json()})
-        except Exception as exc:
-            events.put(exc)
-
-    threading.Thread(target=work, name="stream", daemon=True).start()
-    first = events.get()
-    if isinstance(first, Exception):
-        raise first
+    work = Relay(lambda emit: run(
+        emit if line is None else lambda event: emit(line(event))).to_json(), "stream")
+    first = work.next()
+    if first[0] == ERROR:
+        raise first[1]
 
     def lines():
         """Every line up to the answer."""
-        event = first
-        while True:
-            if isinstance(event, Exception):
-                response = _failure(event, "POST", "stream")
-                yield {"type": "error", "error": json.loads(response.body)["error"]}
-                return
-            yield event
-            if event.get("type") == "answer":
-                trace.stamp("reply", exec_id)
-                return
-            event = events.get()
+        kind, value = first
+        while kind == EVENT:
+            yield value
+            kind, value = work.next()
+        if kind == ERROR:
+            response = _failure(value, "POST", "stream")
+            yield {"type": "error", "error": json.loads(response.body)["error"]}
+            return
+        yield {"type": "answer", "answer": value}
+        trace.stamp("reply", exec_id)
 
     return NDJSON(lines())
 

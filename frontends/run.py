@@ -10,7 +10,6 @@ running cell and ends the run.
 
 import dataclasses
 import os
-import queue
 import sys
 import threading
 import time
@@ -19,6 +18,7 @@ from tqdm import tqdm
 
 from snapkernel.kernel.errors import InvalidRequest
 from snapkernel.kernel.notebook.model import CellStatus, NotebookCell, NotebookRequest, NotebookRun
+from snapkernel.kernel.relay import ERROR, EVENT, Relay
 
 # Exit statuses of `main.py run`.
 EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT = 0, 1, 2
@@ -184,26 +184,17 @@ def fresh_exit_status(run):
 def drive(start, interrupt, progress):
     """Run `start(on_cell)` in a thread and return what it returns, showing each cell
     it reports as it comes; a Ctrl-C here calls `interrupt()` (again for each)."""
-    events = queue.Queue()
-
-    def work():
-        """The run, handing its events and its end to this thread."""
-        try:
-            events.put(("done", start(lambda cell: events.put(("cell", cell)))))
-        except BaseException as exc:  # raised again in the caller's thread
-            events.put(("error", exc))
-
-    threading.Thread(target=work, name="run", daemon=True).start()
+    work = Relay(start, "run")
     while True:
         try:
-            kind, value = events.get()
+            kind, value = work.next()
         except KeyboardInterrupt:
             progress.note("interrupting the run (the running cell gets KeyboardInterrupt)")
             interrupt()
             continue
-        if kind == "cell":
+        if kind == EVENT:
             progress.cell(value)
-        elif kind == "error":
+        elif kind == ERROR:
             raise value
         else:
             return value
