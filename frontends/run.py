@@ -16,7 +16,7 @@ import time
 
 from tqdm import tqdm
 
-from snapkernel.kernel.errors import InvalidRequest
+from snapkernel.kernel.errors import InvalidRequest, Refused
 from snapkernel.kernel.notebook.model import CellStatus, NotebookCell, NotebookRequest, NotebookRun
 from snapkernel.kernel.relay import ERROR, EVENT, Relay
 
@@ -27,10 +27,6 @@ EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT = 0, 1, 2
 def _prog(args):
     """The command as invoked, for messages (`snapshot-kernel run`, `main.py run`)."""
     return f"{getattr(args, 'prog', 'main.py')} run"
-
-
-class Refused(Exception):
-    """The command cannot go on: bad input, the store is held (exit status 2)."""
 
 
 def run(args, settings):
@@ -45,9 +41,9 @@ def run(args, settings):
         # Checked before any cell runs: a run whose notebook cannot be written is not run.
         problem = files.unwritable(output, "output")
         if problem:
-            raise Refused(problem)
+            raise Refused("BAD_INPUT", problem)
         if args.cwd and not args.server and not os.path.isdir(args.cwd):
-            raise Refused(f"--cwd {args.cwd} is not a folder")
+            raise Refused("BAD_INPUT", f"--cwd {args.cwd} is not a folder")
         notebook = ipynb.inject(notebook, args.parameters)
         # The cells run in the notebook's folder, as in Jupyter.
         folder = os.path.abspath(args.cwd or os.path.dirname(os.path.abspath(args.notebook)))
@@ -95,21 +91,21 @@ def _here(args, settings, request, progress):
     try:
         lock = claim_store(data_dir, f"`{_prog(args)} {args.notebook}` (pid {os.getpid()})")
     except StoreHeld as exc:
-        raise Refused(f"{exc}. Run through it with --server URL (its token in --token or "
-                      f"SNAPSHOT_KERNEL_TOKEN), or stop it first") from None
+        raise Refused("BAD_INPUT", f"{exc}. Run through it with --server URL (its token in "
+                      f"--token or SNAPSHOT_KERNEL_TOKEN), or stop it first") from None
     except StoreError as exc:
-        raise Refused(str(exc)) from None
+        raise Refused("BAD_INPUT", str(exc)) from None
     try:
         try:
             registry = Registry(settings)
         except StoreError as exc:
-            raise Refused(str(exc)) from None
+            raise Refused("BAD_INPUT", str(exc)) from None
         try:
             runner = NotebookRunner(registry)
             return drive(lambda on_cell: runner.run(request, on_cell),
                          lambda: runner.interrupt(request.exec_id), progress)
         except InvalidRequest as exc:
-            raise Refused(str(exc)) from None
+            raise Refused("BAD_INPUT", str(exc)) from None
         finally:
             registry.close()
     finally:
@@ -124,7 +120,7 @@ def _through_server(args, request, progress):
         # The run's requests stay on one server of a fleet (docs/fleet.md).
         client = Client(args.server, args.token, timeout=60, affinity=request.notebook)
     except ValueError as exc:
-        raise Refused(f"--server: {exc}") from None
+        raise Refused("BAD_INPUT", f"--server: {exc}") from None
 
     def start(on_cell):
         """The run's request; its cells' events go to `on_cell`."""
@@ -140,13 +136,13 @@ def _through_server(args, request, progress):
         return drive(start, lambda: client.interrupt(request.exec_id), progress)
     except ServerError as exc:
         if exc.status is None:  # the client's message names the server
-            raise Refused(str(exc)) from None
-        raise Refused(f"the server answered {exc.status}: {exc}") from None
+            raise Refused("BAD_INPUT", str(exc)) from None
+        raise Refused("BAD_INPUT", f"the server answered {exc.status}: {exc}") from None
 
 
 def _run_fresh(args, settings):
     """`run --fresh`: the run without a server or store; the exit status."""
-    from snapkernel.kernel.notebook import fresh, fresh_file
+    from snapkernel.kernel.notebook import fresh_file
     progress = Progress(None)
     cancel = threading.Event()
     try:
@@ -156,7 +152,7 @@ def _run_fresh(args, settings):
                                                 on_cell=on_cell, cancel=cancel,
                                                 parameters=args.parameters or None),
             cancel.set, progress)
-    except fresh.Refused as exc:
+    except Refused as exc:
         print(f"{_prog(args)}: error: {exc}", file=sys.stderr)
         return EXIT_BAD_INPUT
     except OSError as exc:

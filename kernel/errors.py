@@ -56,3 +56,14 @@ class ServerStopping(KernelError):
     def __init__(self):
         super().__init__("the server is stopping, and this request was cut short; send "
                          "it again once the server is back")
+
+
+class Refused(Exception):
+    """A run that cannot start: `category` (a fresh run's receipt names it; "BAD_INPUT"
+    for a problem of the request itself) and a message saying why. Not a KernelError:
+    a fresh run records it in its receipt, and the `run` command exits with status 2."""
+
+    def __init__(self, category, message):
+        """Keep the category."""
+        super().__init__(message)
+        self.category = category

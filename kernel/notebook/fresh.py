@@ -41,7 +41,7 @@ import threading
 import time
 
 from snapkernel.kernel import protocol
-from snapkernel.kernel.errors import InvalidRequest
+from snapkernel.kernel.errors import InvalidRequest, Refused
 from snapkernel.kernel.notebook import environment, ipynb, parameters as params, processes
 from snapkernel.kernel.notebook import model, receipt
 from snapkernel.kernel.notebook.model import SKIP_TAGS, CellStatus, NotebookRun
@@ -59,15 +59,6 @@ _JOIN_AFTER_KILL_S = 1.0
 # Error names of a cell's answer that have a category of their own (others: CELL_ERROR).
 _CATEGORY_OF_ENAME = {"Timeout": "CELL_TIMEOUT", "WorkerDied": "WORKER_DIED",
                       "WorkerStartFailed": "WORKER_DIED", "MemoryLimit": "MEMORY_FUSE"}
-
-
-class Refused(Exception):
-    """The run cannot start: `category` and a message saying why."""
-
-    def __init__(self, category, message):
-        """Keep the category."""
-        super().__init__(message)
-        self.category = category
 
 
 @dataclasses.dataclass

@@ -15,8 +15,9 @@ import hashlib
 import os
 
 from snapkernel.kernel import files
+from snapkernel.kernel.errors import Refused
 from snapkernel.kernel.notebook import ipynb, parameters as params, receipt
-from snapkernel.kernel.notebook.fresh import FreshRun, Limits, Refused
+from snapkernel.kernel.notebook.fresh import FreshRun, Limits
 
 # Categories that say the command was asked for something it will not do (exit status 2).
 REFUSALS = ("BAD_INPUT", "OUTPUT_EXISTS")
