@@ -14,6 +14,8 @@ import time
 
 import psutil
 
+from snapkernel.kernel.worker.process import reap_children
+
 # Seconds between two passes of `Tracker.kill_all` while processes remain.
 _KILL_PASS_S = 0.01
 
@@ -102,7 +104,7 @@ class Tracker:
         """
         while True:
             if self.root == os.getpid():
-                _reap_children()
+                reap_children()
             left = self.alive()
             for pid, process in left.items():
                 self.seen.setdefault(pid, process)
@@ -115,14 +117,3 @@ class Tracker:
                     except psutil.Error:
                         pass
             time.sleep(_KILL_PASS_S)
-
-
-def _reap_children():
-    """Reap every child of this process that has ended."""
-    while True:
-        try:
-            pid, _ = os.waitpid(-1, os.WNOHANG)
-        except ChildProcessError:
-            return
-        if pid == 0:
-            return

@@ -32,6 +32,8 @@ import os
 import resource
 import signal
 
+import psutil
+
 _CGROUP_V1_PIDS = "/sys/fs/cgroup/pids"
 # The cgroup folder of this zygote's cells (set in the zygote, inherited by forks).
 _base = None
@@ -61,7 +63,7 @@ def init_zygote():
     try:
         for entry in os.listdir(parent):
             if entry.startswith("snapk-") and entry[6:].isdigit() \
-                    and not os.path.exists(f"/proc/{entry[6:]}"):
+                    and not psutil.pid_exists(int(entry[6:])):
                 _remove_tree(os.path.join(parent, entry))
         base = os.path.join(parent, f"snapk-{os.getpid()}")
         os.makedirs(base, exist_ok=True)
@@ -91,15 +93,6 @@ def _write(path, text):
         f.write(text)
 
 
-def _vm_size():
-    """This process's address-space size in bytes."""
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmSize:"):
-                return int(line.split()[1]) * 1024
-    return 0
-
-
 class Applied:
     """What begin_cell changed, so end_cell can undo it."""
 
@@ -117,7 +110,7 @@ def begin_cell(settings):
     if memory_mb:
         try:
             old = resource.getrlimit(resource.RLIMIT_AS)
-            soft = _vm_size() + memory_mb * 2 ** 20
+            soft = psutil.Process().memory_info().vms + memory_mb * 2 ** 20
             if old[1] != resource.RLIM_INFINITY:
                 soft = min(soft, old[1])
             resource.setrlimit(resource.RLIMIT_AS, (soft, old[1]))

@@ -117,6 +117,19 @@ def status_text(status):
     return f"exited with code {os.WEXITSTATUS(status)}", os.WEXITSTATUS(status)
 
 
+def reap_children():
+    """[(pid, wait status)] of every child of this process that has ended, reaped."""
+    ended = []
+    while True:
+        try:
+            pid, status = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:  # no child left
+            return ended
+        if pid == 0:
+            return ended
+        ended.append((pid, status))
+
+
 def fork_worker(role):
     """os.fork() for a new worker of `role`; in the child, its set-up: a process group
     of its own, default signals, its own trace pid. Returns what os.fork() does.
@@ -185,12 +198,6 @@ class WorkerProcess:
             os.read(wake_fd, 4096)
         except BlockingIOError:
             pass
-        while True:
-            try:
-                pid, status = os.waitpid(-1, os.WNOHANG)
-            except ChildProcessError:
-                return
-            if pid == 0:
-                return
+        for pid, status in reap_children():
             text, code = status_text(status)
             self.channel.send(protocol.Exited(pid=pid, text=text, code=code))
