@@ -107,7 +107,7 @@ BREAKAGES = [
       [("kernel/server/pool.py", "            if not live.alive():\n"
         "                raise WorkerError(\"WorkerDied\", \"the state's holder did not come\")\n",
         ""),
-       ("kernel/server/pool.py", "                spare.kill()\n        self.spares.put(None)\n",
+       ("kernel/server/live.py", "                spare.kill()\n        self.spares.put(None)\n",
         "                spare.kill()\n")],
       ["tests/test_races.py::"
        "test_a_burst_of_first_cells_waiting_on_a_cold_holder_when_the_warm_zygote_comes",

@@ -17,7 +17,7 @@ import psutil
 
 from snapkernel.kernel import protocol, trace
 from snapkernel.kernel.errors import Conflict
-from snapkernel.kernel.server.pool import WorkerError
+from snapkernel.kernel.server.live import WorkerError
 
 
 class CellRun:
