@@ -7,7 +7,7 @@
 Each process spins in pure Python at full speed on one core, like `stress
 --cpu N`. It is how a loaded machine is made on purpose: a test that fails
 only while this runs depended on timing, which is a defect of the test
-(tests/conftest.py's wait_for and Gate are the alternatives).
+(tests/support/server.py's wait_for and Gate are the alternatives).
 """
 
 import argparse

@@ -2,14 +2,7 @@
 
 import requests
 
-from conftest import TOKEN
-
-
-def error_of(r, status):
-    """The JSON error of an answer that must have `status`."""
-    assert r.status_code == status, (r.status_code, r.text)
-    assert r.headers["Content-Type"] == "application/json"
-    return r.json()["error"]
+from support.server import TOKEN, error_of
 
 
 def test_health_needs_no_token(server):

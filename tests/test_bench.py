@@ -12,8 +12,8 @@ import pytest
 from nbclient.exceptions import CellExecutionError
 
 from bench import floors, notebook, peers, profile, report
-from conftest import ROOT, Gate, asleep, in_thread, wait_for
 from snapkernel.kernel import trace
+from support.server import ROOT, Gate, asleep, in_thread, wait_for
 
 
 def test_merge_keeps_other_sections():

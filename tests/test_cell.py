@@ -5,7 +5,7 @@ from the state the previous successful cell made, as a notebook client
 sends them; every output is validated against nbformat.
 """
 
-from cells import run, texts
+from support.cells import run, texts
 
 
 def test_execute_result_has_execution_count_and_follows_jupyter_rules(server):

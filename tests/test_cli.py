@@ -8,7 +8,7 @@ import sys
 import psutil
 import requests
 
-from conftest import ROOT, free_port, wait_for
+from support.server import ROOT, free_port, wait_for
 
 
 def start(args, env=None):

@@ -15,8 +15,8 @@ import textwrap
 import nbformat
 import pytest
 
-from conftest import ROOT
 from snapkernel.storage.store import Store
+from support.server import ROOT, restarted_before_every_cell
 
 # Sets every item a state keeps, the way a notebook would.
 SETUP = textwrap.dedent("""\
@@ -271,18 +271,6 @@ def test_a_submodule_another_import_brought_is_there_after_a_restart(make_server
     srv.stop()
     srv = make_server(data)
     assert srv.execute(probe, state="imported")["output"][0]["data"]["text/plain"] == "'a'"
-
-
-def restarted_before_every_cell(make_server, data, cells):
-    """Run `cells` one after another, each in a server started for it (the corpus's
-    restart path); the answer of each."""
-    answers, state = [], "initial"
-    for i, code in enumerate(cells):
-        srv = make_server(data)
-        answers.append(srv.execute(code, state=state, new=f"c{i}"))
-        state = f"c{i}"
-        srv.stop()
-    return answers
 
 
 def test_a_library_setting_outlives_a_restored_cell_that_does_not_import_the_library(

@@ -12,7 +12,7 @@ import psutil
 import pytest
 
 import harness
-from conftest import ROOT, Server, in_thread, wait_for
+from support.server import ROOT, Server, in_thread, wait_for
 
 LIMITS = """
 [limits]

@@ -18,7 +18,7 @@ import nbformat
 import psutil
 import pytest
 
-from conftest import ROOT
+from support.server import ROOT
 
 from snapkernel.kernel import __version__
 from snapkernel.kernel.notebook import receipt as receipt_mod

@@ -12,8 +12,8 @@ import json
 import nbformat
 import pytest
 
-from snapkernel.kernel import config
 from snapkernel.frontends import run as command
+from snapkernel.kernel import config
 from snapkernel.kernel.notebook import environment, fresh_file, receipt
 from snapkernel.kernel.notebook.model import FreshOptions
 from snapkernel.storage.store import Store

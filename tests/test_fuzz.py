@@ -24,7 +24,7 @@ from schemathesis.checks import (content_type_conformance, negative_data_rejecti
 from schemathesis.core.failures import FailureGroup
 
 from snapkernel import main
-from conftest import TOKEN
+from support.server import TOKEN
 
 # Examples per operation and mode; SNAPK_FUZZ_EXAMPLES=200 for a deeper run.
 FUZZ_EXAMPLES = int(os.environ.get("SNAPK_FUZZ_EXAMPLES", "12"))

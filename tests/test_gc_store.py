@@ -14,9 +14,9 @@ import shutil
 import lmdb
 import pytest
 
-from conftest import Server, run_script
 from snapkernel.kernel import config
 from snapkernel.storage.store import Store
+from support.server import Server, run_script
 
 SHARED_SUM = sum(range(50000))
 

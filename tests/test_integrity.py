@@ -15,9 +15,9 @@ import lmdb
 import pytest
 import zstandard
 
-from conftest import ROOT, run_script
 from snapkernel.storage import lmdbfile
 from snapkernel.storage.store import Store
+from support.server import ROOT, run_script
 
 # 2.4 MB arrays in 1 MiB chunks: random digits as bytes (stored zstd-compressed),
 # floats that shrink (halves of small integers: stored byte-shuffled, then

@@ -21,10 +21,10 @@ import lmdb
 import numpy as np
 import pytest
 
-from conftest import run_script
 from snapkernel.kernel import config
 from snapkernel.storage import lmdbfile, pages, snapshot
 from snapkernel.storage.store import Store, StoreError
+from support.server import run_script
 
 
 def is_short(data_dir):

@@ -8,7 +8,7 @@ import json
 import subprocess
 import sys
 
-from conftest import ROOT
+from support.server import ROOT
 
 
 def test_eight_clients_no_errors_no_lost_states_no_leaked_processes():

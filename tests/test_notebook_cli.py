@@ -10,7 +10,8 @@ import time
 import nbformat
 import pytest
 
-from conftest import ROOT, TOKEN
+from support.notebook import code_cells, run_cli
+from support.server import ROOT, TOKEN
 
 
 def notebook(path, *sources):
@@ -20,20 +21,6 @@ def notebook(path, *sources):
     nb.cells += [nbformat.v4.new_code_cell(src, id=f"c{n}") for n, src in enumerate(sources)]
     nbformat.write(nb, str(path))
     return path
-
-
-def run_cli(*args, timeout=300):
-    """`python main.py run ARGS`; the CompletedProcess, text output."""
-    return subprocess.run([sys.executable, "main.py", "run", *map(str, args)], cwd=ROOT,
-                          capture_output=True, text=True, timeout=timeout,
-                          stdin=subprocess.DEVNULL)
-
-
-def code_cells(path):
-    """The code cells of a notebook file (validated)."""
-    nb = nbformat.read(str(path), as_version=4)
-    nbformat.validate(nb)
-    return [c for c in nb.cells if c.cell_type == "code"]
 
 
 def text(cell):

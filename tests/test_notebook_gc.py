@@ -6,17 +6,11 @@ import sys
 
 import nbformat
 
-from conftest import ROOT
 from snapkernel.kernel import config
 from snapkernel.storage.notebooks import NotebookStore
 from snapkernel.storage.store import Store
-
-
-def run_cli(*args):
-    """`python main.py run ARGS` (the CompletedProcess)."""
-    return subprocess.run([sys.executable, "main.py", "run", *map(str, args)], cwd=ROOT,
-                          capture_output=True, text=True, timeout=300,
-                          stdin=subprocess.DEVNULL)
+from support.notebook import run_cli
+from support.server import ROOT
 
 
 def gc(data_dir, *args):

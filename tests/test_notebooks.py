@@ -13,7 +13,7 @@ import signal
 import pytest
 import requests
 
-from conftest import in_thread, wait_for
+from support.server import in_thread, wait_for
 
 _ids = itertools.count()
 

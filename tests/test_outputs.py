@@ -16,8 +16,8 @@ import sys
 import pytest
 import requests
 
-from cells import run, texts, validated
-from conftest import ROOT, wait_for
+from support.cells import run, texts, validated
+from support.server import ROOT, wait_for
 
 LIMITS = "[display]\nmax_output_bytes = 50000\nmax_mime_chars = 1000\n"
 
@@ -31,7 +31,7 @@ def one(server, source):
 @pytest.fixture(scope="module")
 def limited(tmp_path_factory):
     """A server with small output limits."""
-    from conftest import Server
+    from support.server import Server
     srv = Server(tmp_path_factory.mktemp("limited") / "data", config=LIMITS)
     yield srv
     srv.stop()
@@ -260,7 +260,7 @@ def test_an_unknown_backend_is_refused_as_in_ipykernel(server):
     ipykernel with the same IPython (matplotlib's own, "inline", and ipykernel's inline
     module where IPython resolves backends through matplotlib's registry), never the
     module our inline backend is loaded from."""
-    from test_jupyter import Kernel
+    from support.jupyter import Kernel
     pytest.importorskip("ipykernel")
     cells = ("import matplotlib.pyplot as plt\nplt.plot([1, 2])",
              "import matplotlib\nmatplotlib.use('Qt4Agg')")

@@ -8,7 +8,7 @@ import sys
 
 import nbformat
 
-from conftest import ROOT, TOKEN
+from support.server import ROOT, TOKEN
 
 # Names of our packages and modules (before and after the move into `snapkernel`) and
 # other common ones: each a module of the notebook's folder.

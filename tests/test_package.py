@@ -18,8 +18,8 @@ import psutil
 import pytest
 
 import harness
-from conftest import ROOT
 from snapkernel.kernel import __version__
+from support.server import ROOT
 
 pytestmark = pytest.mark.slow  # a build, a new virtual environment and an install
 

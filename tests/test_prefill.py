@@ -17,11 +17,11 @@ import time
 import lmdb
 import numpy as np
 
-from conftest import ROOT, run_script
 from snapkernel.kernel import config
 from snapkernel.storage import lmdbfile, snapshot
 from snapkernel.storage.prefill import Prefill
 from snapkernel.storage.store import Store
+from support.server import ROOT, run_script
 
 MB = 2 ** 20
 

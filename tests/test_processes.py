@@ -9,9 +9,9 @@ import tempfile
 import psutil
 import pytest
 
-from conftest import asleep, in_thread, wait_for, warm_zygote
 import harness
 from snapkernel.kernel import trace
+from support.server import asleep, in_thread, wait_for, warm_zygote
 
 
 def run_async(server, body):

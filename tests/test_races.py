@@ -8,9 +8,9 @@ import signal
 import psutil
 import requests
 
-from conftest import Server, in_thread, wait_for, warm_zygote
 import harness
 from snapkernel.kernel import trace
+from support.server import Server, in_thread, wait_for, warm_zygote
 
 
 def test_a_process_forked_by_a_cell_never_answers_or_stores(server, gate):

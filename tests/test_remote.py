@@ -10,12 +10,12 @@ import sys
 import numpy as np
 import pytest
 
-from conftest import ROOT, Server, free_port, in_thread, wait_for
 from snapkernel.kernel import config
 from snapkernel.storage import lmdbfile
 from snapkernel.storage.cache import CachedStore
 from snapkernel.storage.store import (FORMAT_VERSION, Store, decode_manifest, decode_record,
-                           referenced_blobs)
+                                      referenced_blobs)
+from support.server import ROOT, Server, free_port, in_thread, run_script, wait_for
 
 BIG_LEN = 500_000  # 4 MB of int64 below 2 ** 40: 4 chunks, each over 256 KiB zstd'ed
 
@@ -245,13 +245,6 @@ def test_remote_down_then_up_async_survives_a_restart(s3, make_server, tmp_path)
     assert b.value("later", "(x, y, int(big.sum()))") == f"(1, 3, {BIG_SUM})"
 
 
-def run_script(*args):
-    """Run a script of scripts/ and return (exit status, output)."""
-    proc = subprocess.run([sys.executable, *args], cwd=ROOT, capture_output=True, text=True,
-                          timeout=120)
-    return proc.returncode, proc.stdout + proc.stderr
-
-
 def record_blobs(s3, bucket, name):
     """The blob keys the remote record of state `name` names itself."""
     record = s3.client.get_object(Bucket=bucket, Key=f"states/names/{name}")["Body"].read()
@@ -274,17 +267,17 @@ def test_gc_with_two_servers_running(s3, pair, make_server, tmp_path):
     doomed = record_blobs(s3, bucket, "doomed") - others
     assert a.delete("/states/doomed").json() == {"deleted": "doomed"}
     before = s3.objects(bucket, "blobs")
-    status, out = run_script("scripts/gc_states.py", "--remote", "--config", str(config))
-    assert status == 0, out
+    done = run_script("gc_states.py", None, "--remote", "--config", str(config), timeout=120)
+    assert done.returncode == 0, done.output
     assert s3.objects(bucket, "blobs").keys() == before.keys()  # all younger than 24 h
-    status, out = run_script("scripts/gc_states.py", "--remote", "--config", str(config),
-                             "--grace", "0s")
-    assert status == 0, out
+    done = run_script("gc_states.py", None, "--remote", "--config", str(config),
+                      "--grace", "0s", timeout=120)
+    assert done.returncode == 0, done.output
     after = s3.objects(bucket, "blobs")
-    assert doomed and not doomed & after.keys(), out
+    assert doomed and not doomed & after.keys(), done.output
     assert record_blobs(s3, bucket, "keep2") <= after.keys()
-    status, out = run_script("scripts/check_store.py", "--remote", "--config", str(config))
-    assert status == 0, out
+    done = run_script("check_store.py", None, "--remote", "--config", str(config), timeout=120)
+    assert done.returncode == 0, done.output
     c = make_server(config=s3.config(bucket))  # a cold cache: everything from the remote
     for srv in (a, b, c):
         assert srv.value("keep2", "(int(big.sum()), kept)") == f"({BIG_SUM}, 7)"
@@ -306,8 +299,8 @@ def test_a_blob_that_does_not_hash_to_its_key_is_refused(s3, make_server, tmp_pa
     assert "does not hash to its key" in r.json()["error"]["message"]
     config = tmp_path / "remote.toml"
     config.write_text(s3.config(bucket))
-    status, out = run_script("scripts/check_store.py", "--remote", "--config", str(config))
-    assert status == 1 and key in out, out
+    done = run_script("check_store.py", None, "--remote", "--config", str(config), timeout=120)
+    assert done.returncode == 1 and key in done.output, done.output
 
 
 def remote_format(s3, bucket):
@@ -350,11 +343,12 @@ def test_the_bucket_records_its_format_and_a_newer_one_is_refused(s3, make_serve
     assert status != 0 and f"has format {newer}" in err and "upgrade this server" in err, err
     assert "Traceback" not in err and "delete" not in err, err
     blobs = s3.objects(bucket, "blobs")
-    for script in ("scripts/check_store.py", "scripts/gc_states.py"):
-        status, out = run_script(script, "--remote", "--config", str(config),
-                                 *(["--match", ".*", "--grace", "0s"] if "gc" in script
-                                   else []))
-        assert status == 1 and f"has format {newer}" in out, out
+    for script in ("check_store.py", "gc_states.py"):
+        done = run_script(script, None, "--remote", "--config", str(config),
+                          *(["--match", ".*", "--grace", "0s"] if "gc" in script else []),
+                          timeout=120)
+        out = done.output
+        assert done.returncode == 1 and f"has format {newer}" in out, out
         assert "Traceback" not in out and "delete" not in out, out
     assert s3.objects(bucket, "blobs").keys() == blobs.keys()
     assert s3.objects(bucket, "names").keys() == {"s"}

@@ -11,7 +11,7 @@ import pytest
 import requests
 
 from snapkernel.api import routes
-from conftest import ROOT, Server, free_port, wait_for
+from support.server import ROOT, Server, free_port, wait_for
 
 SECRET = "s3cret-token-that-must-never-be-logged"
 

@@ -12,9 +12,8 @@ import re
 import jupyter_client
 import pytest
 
-from test_context import restarted_before_every_cell
-from test_jupyter import jupyter_env
-from test_store import store_bytes
+from support.jupyter import jupyter_env
+from support.server import restarted_before_every_cell, store_bytes
 
 # library: (the cell that makes the value, a probe of it, what the probe shows)
 VALUES = {

@@ -12,19 +12,9 @@ import psutil
 import pytest
 import requests
 
-from conftest import ROOT, in_thread, wait_for
 from snapkernel.kernel import config
 from snapkernel.storage.store import Store
-
-
-def store_bytes(data_dir):
-    """Bytes of blobs in use in the LMDB store (pages in use, not the file size)."""
-    env = lmdb.open(str(data_dir), readonly=True, lock=False, max_dbs=4)
-    try:
-        info, stat = env.info(), env.stat()
-        return (info["last_pgno"] + 1) * stat["psize"]
-    finally:
-        env.close()
+from support.server import ROOT, in_thread, store_bytes, wait_for
 
 
 LINEAGE = """

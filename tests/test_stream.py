@@ -1,20 +1,8 @@
 """Streamed answers: "stream": true on /execute and /multistate_execute (NDJSON)."""
 
-import json
-
 import requests
 
-
-def stream(server, path, body):
-    """POST with stream on; yields the lines as they arrive (a line that does not come
-    within the read timeout raises requests' ConnectionError)."""
-    with requests.post(server.url + path, params={"token": server.token},
-                       json=dict(body, stream=True), stream=True, timeout=(60, 120)) as r:
-        assert r.status_code == 200, r.text
-        assert r.headers["Content-Type"].startswith("application/x-ndjson")
-        for raw in r.iter_lines():
-            if raw:
-                yield json.loads(raw)
+from support.server import stream
 
 
 def test_first_output_arrives_before_the_cell_ends(server, gate):

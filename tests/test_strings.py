@@ -10,11 +10,10 @@ import pandas as pd
 import pytest
 import zstandard
 
-from conftest import wait_for
 from snapkernel.kernel import config, trace
 from snapkernel.storage import serializer
 from snapkernel.storage.store import Store, StoreCorrupt
-from test_store import store_bytes
+from support.server import store_bytes, wait_for
 
 ROWS = 300_000
 # Six float columns and a string column with nulls and non-ASCII text, its buffers

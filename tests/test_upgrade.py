@@ -8,7 +8,7 @@ import subprocess
 
 import pytest
 
-from conftest import ROOT, Server
+from support.server import ROOT, Server
 
 # The last commit whose packages were top-level `kernel`, `storage` and `api`.
 BEFORE_THE_RENAME = "f791235"

@@ -11,9 +11,8 @@ import pytest
 import requests
 
 from snapkernel.api.openapi import document
-from conftest import wait_for
-from test_api import error_of
-from test_jupyter import Kernel, data_dir, kernel, lab, server_info, stop_server  # noqa: F401 (fixtures)
+from support.jupyter import Kernel, data_dir, kernel, lab, server_info, stop_server  # noqa: F401 (fixtures)
+from support.server import error_of, stream, wait_for
 
 pytest.importorskip("ipywidgets")
 
@@ -118,7 +117,6 @@ def test_widgets_through_the_api(make_server, tmp_path):
     schema; a handled front-end message (protocol.comm_cell) makes a state whose widget
     has the value, kept over a restart; a widget of a cell's class is volatile, by name."""
     from snapkernel.kernel.protocol import comm_cell
-    from test_stream import stream
     srv = make_server(tmp_path / "data")
     answers = document()["paths"]["/execute"]["post"]["responses"]["200"]["content"]
     line_schema = answers["application/x-ndjson"]["schema"]
