@@ -26,13 +26,12 @@ of them, never tear the store), and the cells run again.
 
 import contextlib
 import dataclasses
-import math
 import os
 import threading
 import time
 import uuid
 
-from snapkernel.kernel.errors import Conflict, InvalidRequest, KernelError, NotebookNotFound
+from snapkernel.kernel.errors import Conflict, KernelError, NotebookNotFound
 from snapkernel.kernel.notebook import analysis, graph as graph_mod, inputs, ipynb
 from snapkernel.kernel.notebook import keys as keys_mod, parameters as params, planner
 from snapkernel.kernel.notebook.model import (NOTEBOOK_STATE_PREFIX, WITH_RESULT, CellStatus,
@@ -43,19 +42,6 @@ from snapkernel.storage.notebooks import NotebookStore
 from snapkernel.storage.store import StoreError, StoreFull
 
 STATE_PREFIX = NOTEBOOK_STATE_PREFIX
-
-
-def validate(request):
-    """Check an incremental run's request; InvalidRequest naming the problem."""
-    check_folder(request.cwd)
-    for name, low in (("timeout", 0), ("cell_timeout", 0)):
-        value = getattr(request, name)
-        if value is not None and (not math.isfinite(value) or value < low or
-                                  (name == "timeout" and value == 0)):
-            raise InvalidRequest(f"{name} must be a number of seconds, "
-                                 f"{'0 (none) or more' if name == 'cell_timeout' else 'more than 0'}, "
-                                 f"not {value}")
-    request.check()
 
 
 class _Run:
@@ -159,7 +145,8 @@ class NotebookRunner:
         whenever its status changes. Its parameters are injected into its cells
         first (kernel/notebook/parameters.py): the record holds the injected cell.
         """
-        validate(request)
+        check_folder(request.cwd)
+        request.check()
         request = dataclasses.replace(request, cells=params.inject(request.cells,
                                                                    request.parameters))
         exec_id = str(request.exec_id) if request.exec_id is not None else \

@@ -9,6 +9,7 @@ one reader of it.
 import dataclasses
 import datetime
 import enum
+import math
 import re
 from dataclasses import dataclass, field
 
@@ -221,9 +222,17 @@ class NotebookRequest:
 
     def check(self):
         """InvalidRequest unless the cells are one notebook's (each with an id of its own
-        and a source), an incremental run's order and reruns name what there is, and
-        the parameters are papermill's (kernel/notebook/parameters.py).
-        The runners check each request they take: the command builds its own."""
+        and a source), an incremental run's timeouts are seconds and its order and
+        reruns name what there is, and the parameters are papermill's
+        (kernel/notebook/parameters.py). The runners check each request they take:
+        the command builds its own."""
+        for name in ("timeout", "cell_timeout"):  # a fresh run's are its FreshOptions'
+            value = getattr(self, name)
+            if value is not None and (not math.isfinite(value) or value < 0 or
+                                      (name == "timeout" and value == 0)):
+                raise InvalidRequest(f"{name} must be a number of seconds, "
+                                     f"{'0 (none) or more' if name == 'cell_timeout' else 'more than 0'}, "
+                                     f"not {value}")
         if self.fresh is None and self.order not in ORDERS:
             raise InvalidRequest(f"unknown order {self.order!r}: use "
                                  f"{' or '.join(repr(o) for o in ORDERS)}")
