@@ -26,28 +26,23 @@ every time and keeps what it finds in hypothesis' example database (.hypothesis/
 a failing sequence replays first next time.
 """
 
-import base64
 import glob
 import hashlib
 import json
 import os
-import re
 import shutil
-import struct
-import subprocess
-import sys
 import tempfile
 import time
 
-import nbformat
 import pytest
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import (RuleBasedStateMachine, initialize, precondition, rule,
                                  run_state_machine_as_test)
 
-from conftest import ROOT, TOKEN, Server
-from test_fidelity import compare_cell, run_in_jupyter
+from support.fidelity import compare_cell, run_in_jupyter
+from support.notebook import png_sizes, run_command, write_notebook
+from support.server import TOKEN, Server
 
 
 HELPER = "VALUE = {n}\n\n\ndef scale(x):\n    return x * {n} + 1\n"
@@ -128,26 +123,6 @@ def folder_files(folder, skip=()):
     return found
 
 
-def png_sizes(outputs):
-    """(width, height) of every PNG among `outputs`, from its IHDR chunk."""
-    sizes = []
-    for out in outputs:
-        png = out.get("data", {}).get("image/png")
-        if png:
-            raw = base64.b64decode("".join(png) if isinstance(png, list) else png)
-            sizes.append(struct.unpack(">II", raw[16:24]))
-    return sizes
-
-
-def write_notebook(path, cells):
-    """Write the notebook of `cells` [(id, source)] to `path`."""
-    nb = nbformat.v4.new_notebook()
-    nb.cells = [nbformat.v4.new_code_cell(source, id=cell_id) for cell_id, source in cells]
-    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3",
-                                 "language": "python"}
-    nbformat.write(nb, path)
-
-
 class Reference:
     """Clean Run Alls (nbclient, ipykernel) of notebooks, cached by the notebook's
     sources and the content of its folder (a step that changes neither, like a restart,
@@ -173,19 +148,6 @@ class Reference:
             cells = run_in_jupyter([path], slots=1, in_own_folder=True, timeout=60)[path]
             self.cache[key.hexdigest()] = (cells, folder_files(copy, skip={notebook}))
         return self.cache[key.hexdigest()]
-
-
-def run_command(notebook, output, *extra):
-    """`main.py run NOTEBOOK -o OUTPUT --allow-errors EXTRA...`: ({cell id: status},
-    [outputs of each code cell])."""
-    done = subprocess.run([sys.executable, "main.py", "run", notebook, "-o", output,
-                           "--allow-errors", *extra], cwd=ROOT, capture_output=True,
-                          text=True, stdin=subprocess.DEVNULL, timeout=300)
-    assert done.returncode in (0, 1), done.stderr
-    statuses = dict(re.findall(r"^(\S+): (ran|reused|failed|blocked|not_run)\b",
-                               done.stderr, re.M))
-    cells = [c for c in nbformat.read(output, as_version=4).cells if c.cell_type == "code"]
-    return statuses, [c.outputs for c in cells]
 
 
 def split_error(outputs):

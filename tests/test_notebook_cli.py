@@ -10,7 +10,7 @@ import time
 import nbformat
 import pytest
 
-from support.notebook import code_cells, run_cli
+from support.notebook import code_cells, run_cli, text
 from support.server import ROOT, TOKEN
 
 
@@ -21,12 +21,6 @@ def notebook(path, *sources):
     nb.cells += [nbformat.v4.new_code_cell(src, id=f"c{n}") for n, src in enumerate(sources)]
     nbformat.write(nb, str(path))
     return path
-
-
-def text(cell):
-    """What a cell printed or showed as text."""
-    return "".join(o.get("text", "") or o.get("data", {}).get("text/plain", "")
-                   for o in cell.outputs)
 
 
 def test_run_writes_the_executed_notebook_and_reuses_results(tmp_path):

@@ -11,8 +11,8 @@ import sys
 import nbformat
 import pytest
 
-from conftest import ROOT, TOKEN
-from test_notebook_cli import code_cells, run_cli, text
+from support.notebook import code_cells, run_cli, text
+from support.server import ROOT, TOKEN
 
 
 def tagged_notebook(path, cells):

@@ -7,9 +7,9 @@ import os
 
 import pytest
 
-from conftest import TOKEN
-from test_differential import png_sizes, run_command, write_notebook
-from test_fidelity import run_in_jupyter
+from support.fidelity import run_in_jupyter
+from support.notebook import png_sizes, run_command, write_notebook
+from support.server import TOKEN
 
 
 def run_server(srv, folder, cells, n):

@@ -1,5 +1,8 @@
 """The `run` command and the .ipynb files it reads and writes."""
 
+import base64
+import re
+import struct
 import subprocess
 import sys
 
@@ -22,3 +25,39 @@ def code_cells(path, validate=True):
     if validate:
         nbformat.validate(nb)
     return [c for c in nb.cells if c.cell_type == "code"]
+
+
+def text(cell):
+    """What a cell printed or showed as text."""
+    return "".join(o.get("text", "") or o.get("data", {}).get("text/plain", "")
+                   for o in cell.outputs)
+
+
+def png_sizes(outputs):
+    """(width, height) of every PNG among `outputs`, from its IHDR chunk."""
+    sizes = []
+    for out in outputs:
+        png = out.get("data", {}).get("image/png")
+        if png:
+            raw = base64.b64decode("".join(png) if isinstance(png, list) else png)
+            sizes.append(struct.unpack(">II", raw[16:24]))
+    return sizes
+
+
+def write_notebook(path, cells):
+    """Write the notebook of `cells` [(id, source)] to `path`."""
+    nb = nbformat.v4.new_notebook()
+    nb.cells = [nbformat.v4.new_code_cell(source, id=cell_id) for cell_id, source in cells]
+    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3",
+                                 "language": "python"}
+    nbformat.write(nb, path)
+
+
+def run_command(notebook, output, *extra):
+    """`main.py run NOTEBOOK -o OUTPUT --allow-errors EXTRA...`: ({cell id: status},
+    [outputs of each code cell])."""
+    done = run_cli(notebook, "-o", output, "--allow-errors", *extra)
+    assert done.returncode in (0, 1), done.stderr
+    statuses = dict(re.findall(r"^(\S+): (ran|reused|failed|blocked|not_run)\b",
+                               done.stderr, re.M))
+    return statuses, [c.outputs for c in code_cells(output, validate=False)]
