@@ -20,7 +20,7 @@ import uuid
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
 import harness  # noqa: E402  (scripts/ is this script's own folder)
-from test_fleet import TOKEN, Fleet  # noqa: E402
+from support.fleet import TOKEN, Fleet  # noqa: E402
 
 from snapkernel.api.client import Client  # noqa: E402
 

@@ -9,7 +9,7 @@ import sys
 
 import requests
 
-from conftest import ROOT, run_script
+from support.server import ROOT, run_script
 
 
 def test_origin_and_host_headers_are_checked_before_the_token(server):

@@ -21,7 +21,7 @@ import sys
 import nbformat
 import pytest
 
-from conftest import ROOT
+from support.server import ROOT
 
 # item -> (set, read, change)
 ITEMS = {
@@ -115,7 +115,7 @@ def run(srv, item, folder, edits=0, name=None):
 @pytest.fixture(scope="module")
 def clean(tmp_path_factory):
     """{item: what `read` shows in a clean Run All}, from a server on an empty store."""
-    from conftest import Server
+    from support.server import Server
     base = tmp_path_factory.mktemp("clean")
     srv = Server(base / "store")
     try:

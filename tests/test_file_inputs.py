@@ -12,9 +12,8 @@ import time
 
 import pytest
 
-from conftest import ROOT, TOKEN
-from test_notebook_cli import code_cells, notebook, text
-from test_upgrade import earlier_tree
+from support.notebook import code_cells, notebook, text
+from support.server import ROOT, TOKEN, earlier_tree
 
 IDIOMS = {  # cell id -> (its source, the file it reads, that file's first and next bytes)
     "c1": ("df = pd.read_csv('data.csv')\nprint(df.a.sum())", "data.csv",

@@ -9,86 +9,21 @@ Plainbook's requests (no key of ours) are served through HAProxy.
 
 import os
 import random
-import re
 import shutil
 import signal
 import subprocess
 import sys
 import threading
-import time
 import uuid
 
 import pytest
 import requests
 
-from conftest import ROOT, free_port, in_thread, wait_for
-from snapkernel.api.client import Client
+from support.fleet import TOKEN, Fleet
+from support.server import ROOT, in_thread, wait_for
 
 pytestmark = pytest.mark.skipif(shutil.which("haproxy") is None,
                                 reason="HAProxy is not installed (apt-get install haproxy)")
-TOKEN = "fleet-token"
-LINE = re.compile(r"^(server-\d+): http://127\.0\.0\.1:(\d+) pid (\d+)")
-
-
-class Fleet:
-    """The `fleet` command running, its servers' ports and pids read from its output."""
-
-    def __init__(self, root, config, servers=3):
-        """Start it and wait until HAProxy is up."""
-        self.root = root
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.ports, self.pids, self.lines = {}, {}, []
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "snapkernel.main", "fleet", "--servers", str(servers),
-             "--bind", f"127.0.0.1:{self.port}", "--token", TOKEN, "--config", str(config),
-             "--data-root", str(root), "--drain-s", "3"],
-            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        self.reader = threading.Thread(target=self._read, daemon=True)
-        self.reader.start()
-        wait_for(lambda: any(x.startswith("haproxy:") for x in self.lines) or
-                 self.proc.poll() is not None, "the fleet to start", 180)
-        assert self.proc.poll() is None, "\n".join(self.lines)
-
-    def _read(self):
-        """Keep the fleet's lines; note each server's port and current pid."""
-        for line in self.proc.stdout:
-            self.lines.append(line.rstrip())
-            found = LINE.match(line)
-            if found:
-                self.ports[found[1]] = int(found[2])
-                self.pids[found[1]] = int(found[3])
-
-    def client(self, affinity=None):
-        """A client of HAProxy."""
-        return Client(self.url, TOKEN, affinity=affinity)
-
-    def direct(self, name):
-        """A client of server `name` itself."""
-        return Client(f"http://127.0.0.1:{self.ports[name]}", TOKEN)
-
-    def kill(self, name, sig=signal.SIGKILL):
-        """Signal server `name`; its pid then."""
-        pid = self.pids[name]
-        os.kill(pid, sig)
-        return pid
-
-    def wait_back(self, name, old_pid):
-        """Wait until server `name` runs again (a new pid answers /health)."""
-        def back():
-            pid = self.pids.get(name)
-            if pid == old_pid:
-                return False
-            try:
-                return self.direct(name).call("GET", "/health", timeout=2)["server"]["pid"] == pid
-            except Exception:
-                return False
-        wait_for(back, f"{name} to be started again", 120)
-
-    def stop(self):
-        """SIGTERM; it stops everything."""
-        self.proc.send_signal(signal.SIGTERM)
-        self.proc.wait(60)
 
 
 @pytest.fixture(scope="module")

@@ -18,10 +18,9 @@ import nbformat
 import psutil
 import pytest
 
-from support.server import ROOT
-
 from snapkernel.kernel import __version__
 from snapkernel.kernel.notebook import receipt as receipt_mod
+from support.server import ROOT
 
 OK = "assert 2 + 2 == 4"
 

@@ -10,17 +10,8 @@ import time
 import nbformat
 import pytest
 
-from support.notebook import code_cells, run_cli, text
+from support.notebook import code_cells, notebook, run_cli, text
 from support.server import ROOT, TOKEN
-
-
-def notebook(path, *sources):
-    """Write a notebook: a markdown cell, then code cells c0, c1, ... with these sources."""
-    nb = nbformat.v4.new_notebook()
-    nb.cells = [nbformat.v4.new_markdown_cell("# A title")]
-    nb.cells += [nbformat.v4.new_code_cell(src, id=f"c{n}") for n, src in enumerate(sources)]
-    nbformat.write(nb, str(path))
-    return path
 
 
 def test_run_writes_the_executed_notebook_and_reuses_results(tmp_path):

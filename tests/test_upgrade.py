@@ -4,14 +4,8 @@ The earlier version is a real one, the tree of the last commit before our code m
 into the one package `snapkernel` (its pickles name our helpers `storage.serializer...`),
 taken from this repository's history and served from a temporary folder."""
 
-import subprocess
+from support.server import earlier_tree
 
-import pytest
-
-from support.server import ROOT, Server
-
-# The last commit whose packages were top-level `kernel`, `storage` and `api`.
-BEFORE_THE_RENAME = "f791235"
 
 MAKE = """
 import random
@@ -35,18 +29,6 @@ df = pd.DataFrame({"n": [1, 2, 3], "s": ["x", "y", "z"]})
 PROBE = ("scale = 5\nb[0] = 99.0\n"
          "print(f(2), p.scaled(), isinstance(p, Point), a[0], df.s.tolist(), "
          "random.random(), np.random.rand())")
-
-
-def earlier_tree(folder):
-    """The tree of BEFORE_THE_RENAME, written out into `folder`."""
-    try:
-        archive = subprocess.run(["git", "archive", BEFORE_THE_RENAME], cwd=ROOT,
-                                 capture_output=True, check=True).stdout
-    except subprocess.CalledProcessError as exc:
-        pytest.fail(f"this checkout lacks commit {BEFORE_THE_RENAME}: {exc.stderr!r}")
-    folder.mkdir()
-    subprocess.run(["tar", "-x", "-C", str(folder)], input=archive, check=True)
-    return folder
 
 
 def test_a_store_made_before_the_rename_restores_in_this_version(make_server, tmp_path):

@@ -17,7 +17,7 @@ import threading
 import pytest
 import requests
 
-from conftest import TOKEN, wait_for
+from support.server import TOKEN, wait_for
 
 ATTACKER = "attacker.example"  # a page of another origin (mapped to 127.0.0.1 below)
 REBOUND = "rebound.example"  # a name the attacker made resolve to this machine

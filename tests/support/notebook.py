@@ -61,3 +61,12 @@ def run_command(notebook, output, *extra):
     statuses = dict(re.findall(r"^(\S+): (ran|reused|failed|blocked|not_run)\b",
                                done.stderr, re.M))
     return statuses, [c.outputs for c in code_cells(output, validate=False)]
+
+
+def notebook(path, *sources):
+    """Write a notebook: a markdown cell, then code cells c0, c1, ... with these sources."""
+    nb = nbformat.v4.new_notebook()
+    nb.cells = [nbformat.v4.new_markdown_cell("# A title")]
+    nb.cells += [nbformat.v4.new_code_cell(src, id=f"c{n}") for n, src in enumerate(sources)]
+    nbformat.write(nb, str(path))
+    return path

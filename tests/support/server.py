@@ -15,6 +15,7 @@ import threading
 import time
 
 import lmdb
+import pytest
 import requests
 
 import harness  # scripts/harness.py: pyproject's pytest `pythonpath` puts scripts/ on sys.path
@@ -230,3 +231,19 @@ def restarted_before_every_cell(make_server, data, cells):
         state = f"c{i}"
         srv.stop()
     return answers
+
+
+# The last commit whose packages were top-level `kernel`, `storage` and `api`.
+BEFORE_THE_RENAME = "f791235"
+
+
+def earlier_tree(folder):
+    """The tree of BEFORE_THE_RENAME, written out into `folder`."""
+    try:
+        archive = subprocess.run(["git", "archive", BEFORE_THE_RENAME], cwd=ROOT,
+                                 capture_output=True, check=True).stdout
+    except subprocess.CalledProcessError as exc:
+        pytest.fail(f"this checkout lacks commit {BEFORE_THE_RENAME}: {exc.stderr!r}")
+    folder.mkdir()
+    subprocess.run(["tar", "-x", "-C", str(folder)], input=archive, check=True)
+    return folder
