@@ -1,7 +1,6 @@
 """What the routes check and bound (docs/api.md), and the operator scripts beside a server
 (docs/operations.md)."""
 
-import json
 import os
 import re
 import subprocess

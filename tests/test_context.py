@@ -6,7 +6,6 @@ state is restored from the store in a new process), and asks the same
 question again.
 """
 
-import json
 import os
 import subprocess
 import sys
