@@ -19,8 +19,8 @@ import pytest
 
 from snapkernel.kernel import __version__
 from support.fidelity import NOTEBOOKS, compare_notebook, run_in_jupyter, run_on_server
-from support.jupyter import (IDLE_S, SPEC, Kernel, data_dir, kernel, lab,  # noqa: F401 (fixtures)
-                             server_info)
+from support.jupyter import (  # noqa: F401 (data_dir, kernel, lab: fixtures)
+    IDLE_S, SPEC, Kernel, data_dir, jupyter_env, kernel, lab, server_info)
 from support.server import ROOT, wait_for
 
 
