@@ -19,7 +19,7 @@ import sys
 import nbformat
 import pytest
 
-from conftest import ROOT, TOKEN
+from support.server import ROOT, TOKEN, Server
 
 DIGESTS = ("print('DIGESTS', __import__('json').dumps({p: __import__('hashlib').sha256("
            "open(p, 'rb').read()).hexdigest() for p in sorted(__import__('os').listdir('.'))"
@@ -91,7 +91,6 @@ def restored(tmp_path_factory):
     """Every idiom run through /execute, each from `initial` in its folder, then the
     server restarted on the same store: (server, {id: (folder, answer, the folder's
     digests once answered)})."""
-    from conftest import Server
     root = tmp_path_factory.mktemp("idioms")
     made = {}
     srv = Server(root / "data")
