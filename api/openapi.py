@@ -14,6 +14,7 @@ from snapkernel.kernel import __version__
 from snapkernel.kernel.notebook.environment import REFUSED_PARTS
 from snapkernel.kernel.notebook.model import (CELL_FIELDS, ORDERS, STATE_KINDS, CellStatus,
                                               FreshOptions, NotebookRequest, NotebookRun)
+from snapkernel.kernel.notebook.reasons import NOTES, REASONS
 from snapkernel.kernel.protocol import ExecuteAnswer
 from snapkernel.kernel.server.registry import MAX_NAME_BYTES
 
@@ -166,6 +167,16 @@ _NOTEBOOK_CELL = {
                                      "iopub.execute_input, shell.execute_reply, "
                                      "iopub.status.idle) of the run that made the cell's "
                                      "result"},
+        "reason": {
+            "type": "object", "nullable": True, "required": ["kind", "message"],
+            "properties": {"kind": {"type": "string", "enum": list(REASONS + NOTES)},
+                           "message": {"type": "string"}},
+            "description": "Why the cell ran (rerun, volatile, input_ran, wrote_file, new, "
+                           "failed_before, result_gone, source_changed, "
+                           "environment_changed, module_changed, input_changed, "
+                           "file_changed, key_changed), or for a reused cell what its "
+                           "result cannot know (reads_clock, unseeded_random); null "
+                           "otherwise and in fresh runs"},
     },
 }
 

@@ -221,6 +221,8 @@ class Progress:
             line += f" in {cell.took_s:.2f} s"
         if cell.status != CellStatus.RAN and cell.error:
             line += f" ({cell.error['ename']}: {cell.error['evalue'][:80]})"
+        if cell.reason:  # why it ran, or what its reused result cannot know
+            line += f"; {cell.reason['message']}"
         if self.bar is None:
             print(line, file=sys.stderr, flush=True)
             return

@@ -549,9 +549,10 @@ def test_allow_errors_goes_on_from_what_the_failing_cell_did(server):
     failed_state = cell(answer, "c0")["state_name"]
     assert server.value(failed_state, "x") == "1"
     assert server.value(failed_state, "'never' in globals()") == "False"
-    # Not a result: the next run tries it again, and the cells after it too.
+    # A result like any other: the next run reuses it with its error, and the cells after.
     again = run(server, "allow-errors", nb, allow_errors=True)
-    assert statuses(again) == {"c0": "failed", "c1": "ran", "c2": "ran"}
+    assert statuses(again) == {"c0": "reused", "c1": "reused", "c2": "reused"}
+    assert cell(again, "c0")["error"]["ename"] == "ZeroDivisionError"
     # Without allow_errors the run stops there, as before.
     strict = run(server, "allow-errors", nb)
     assert statuses(strict) == {"c0": "failed", "c1": "not_run", "c2": "not_run"}

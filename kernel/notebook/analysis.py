@@ -94,6 +94,15 @@ class CellAnalysis:
     # Of a cell that does not parse: the names it seems to bind (before `=`, after `def`,
     # `class`, `import`, `as`, `for`, ...), for the cells that need it to wait for a fix.
     probable_defines: frozenset = frozenset()
+    # What its result depends on that its code does not show: the clock calls it makes
+    # ("datetime.now()", "%timeit"), the global generators it draws from as
+    # (generator, call) with generator "random", "numpy" (seeded by their `seed`) or
+    # "os" (never seeded: uuid4, os.urandom, a generator made without a seed), and the
+    # generators it seeds ("random", "numpy").
+    clock: frozenset = frozenset()
+    draws: frozenset = frozenset()
+    seeds: frozenset = frozenset()
+    runs: frozenset = frozenset()        # the files it runs with `%run FILE`, as written
 
     @property
     def free_reads(self):
@@ -476,9 +485,50 @@ class _Analyser(ast.NodeVisitor):
                 and func.value.func.id == "get_ipython" and not node.keywords
                 and all(isinstance(a, ast.Constant) and isinstance(a.value, str)
                         for a in node.args)):
-            self._magic(func.attr, [a.value for a in node.args])
+            args = [a.value for a in node.args]
+            if func.attr in ("run_line_magic", "run_cell_magic") and args[:1] in (
+                    ["time"], ["timeit"]):
+                self.found["clock"].add(f"%{args[0]}")
+            if func.attr == "run_line_magic" and len(args) == 2 and args[0] == "run":
+                self.found["runs"].update([w for w in args[1].split() if
+                                           not w.startswith("-")][:1])
+            self._magic(func.attr, args)
             return
+        self._outside(node)
         self.generic_visit(node)
+
+    def _outside(self, node):
+        """Note a call that reads the clock, draws from or seeds a global generator."""
+        parts = _dotted(node.func)
+        if not parts:
+            return
+        text = ".".join(parts) + "()"
+        owner, attr = (parts[-2] if len(parts) > 1 else None), parts[-1]
+        first = node.args[0].value if node.args and isinstance(node.args[0], ast.Constant) \
+            else None
+        if ((owner, attr) in _CLOCK_CALLS or (owner, attr) in _CLOCK_WITHOUT_ARGUMENT and
+                not node.args or attr in _CLOCK_CONSTRUCTORS and first in ("now", "today")):
+            self.found["clock"].add(text if first is None else f"{text[:-1]}{first!r})")
+        elif owner == "random" and len(parts) == 2:  # the standard library's
+            if attr == "seed":
+                self.found["seeds"].add("random")
+            elif attr == "Random" and not node.args:
+                self.found["draws"].add(("os", text))
+            elif attr in _STDLIB_DRAWS:
+                self.found["draws"].add(("random", text))
+        elif owner == "random":  # np.random, numpy.random
+            if attr == "seed":
+                self.found["seeds"].add("numpy")
+            elif attr in _UNSEEDED_WITHOUT_ARGUMENT:
+                if not node.args and not node.keywords:
+                    self.found["draws"].add(("os", text))
+            elif attr not in _NUMPY_NOT_DRAWS and not attr.startswith("_"):
+                self.found["draws"].add(("numpy", text))
+        elif attr == "sample" and len(parts) > 1 and not any(
+                k.arg == "random_state" for k in node.keywords):  # pandas' df.sample()
+            self.found["draws"].add(("numpy", f".{attr}()"))
+        elif (owner, attr) in _OS_DRAWS or owner == "secrets":
+            self.found["draws"].add(("os", text))
 
     # Magics ------------------------------------------------------------------
 
@@ -547,6 +597,45 @@ class _Analyser(ast.NodeVisitor):
 
 
 _transformer = []
+
+
+def _dotted(node):
+    """["np", "random", "rand"] of `np.random.rand`; [] when it does not start at a name
+    (a method of a call's result: `df.head().sample`)."""
+    parts = []
+    while isinstance(node, ast.Attribute):
+        parts.append(node.attr)
+        node = node.value
+    if isinstance(node, ast.Name):
+        parts.append(node.id)
+    return parts[::-1] if isinstance(node, ast.Name) else []
+
+
+# The common ways to read the clock: (owner, attribute) as written, `datetime.now()`,
+# `dt.datetime.now()`, `pd.Timestamp.today()`, `time.time()`.
+_CLOCK_CALLS = frozenset({
+    ("datetime", "now"), ("datetime", "today"), ("datetime", "utcnow"), ("date", "today"),
+    ("Timestamp", "now"), ("Timestamp", "today"), ("Timestamp", "utcnow"),
+    ("time", "time"), ("time", "time_ns"), ("time", "perf_counter"),
+    ("time", "perf_counter_ns"), ("time", "monotonic"), ("time", "process_time")})
+# The clock when called with no argument (`time.localtime(t)` converts t).
+_CLOCK_WITHOUT_ARGUMENT = frozenset({("time", "localtime"), ("time", "gmtime"),
+                                     ("time", "ctime"), ("time", "asctime")})
+# Constructors that read the clock given "now" or "today": np.datetime64('today').
+_CLOCK_CONSTRUCTORS = frozenset({"datetime64", "Timestamp", "to_datetime", "Period"})
+# The standard library random module's draws from its global generator.
+_STDLIB_DRAWS = frozenset({
+    "random", "randint", "randrange", "choice", "choices", "shuffle", "sample", "uniform",
+    "triangular", "gauss", "normalvariate", "lognormvariate", "expovariate",
+    "vonmisesvariate", "gammavariate", "betavariate", "paretovariate",
+    "weibullvariate", "getrandbits", "randbytes", "binomialvariate"})
+# numpy.random names that draw nothing from its global generator.
+_NUMPY_NOT_DRAWS = frozenset({
+    "seed", "get_state", "set_state", "default_rng", "RandomState", "Generator",
+    "SeedSequence", "BitGenerator", "PCG64", "PCG64DXSM", "MT19937", "Philox", "SFC64"})
+# Generators that are seeded from the operating system when made without a seed.
+_UNSEEDED_WITHOUT_ARGUMENT = frozenset({"default_rng", "RandomState", "Generator"})
+_OS_DRAWS = frozenset({("uuid", "uuid1"), ("uuid", "uuid4"), ("os", "urandom")})
 
 
 def _python_source(source):

@@ -34,6 +34,7 @@ import uuid
 from snapkernel.kernel.errors import Conflict, KernelError, NotebookNotFound
 from snapkernel.kernel.notebook import analysis, graph as graph_mod, inputs, ipynb
 from snapkernel.kernel.notebook import keys as keys_mod, parameters as params, planner
+from snapkernel.kernel.notebook import reasons
 from snapkernel.kernel.notebook.model import (NOTEBOOK_STATE_PREFIX, WITH_RESULT, CellStatus,
                                               NotebookRun, now, timing_stamp, timings)
 from snapkernel.kernel.protocol import error
@@ -68,6 +69,9 @@ class _Run:
         # The planning, filled in before the first cell is taken:
         self.analyses = self.graph = self.keys = self.stored = self.plan = None
         self.statics = self.keyer = self.files = None  # keys before files; planner.CellKeys
+        self.rerun = set()  # the positions `rerun` names
+        self.before = {}  # cell id -> that cell in the notebook's last record (a dict)
+        self.ran = set()  # the positions that ran so far
         # position -> (state, provenance, volatile names) of each cell taken so far
         self.states = {}
         self.previous = None  # the cell taken last: its state is the next one's first base
@@ -200,6 +204,8 @@ class NotebookRunner:
         run.stored = self._stored(k for k in run.keys.values() if k)
         volatile = {k: set(r["volatile"]) for k, r in run.stored.items()}
         rerun = [ids.index(r) for r in request.rerun]
+        run.rerun = set(rerun)
+        run.before = {c["id"]: c for c in (self.store.record(run.name) or {}).get("cells", [])}
         run.plan = planner.plan(run.graph, run.keys, volatile, rerun)
         stale = run.files.stale_writers(run.graph.order, run.keys, run.statics, run.plan.run)
         if stale - run.plan.run:
@@ -265,15 +271,26 @@ class NotebookRunner:
                     "Blocked", f"needs cell {graph.ids[stuck[0]]!r}, which did not run"))
                 continue
             result = None if i in plan.run else self._reusable(run, i)
+            if result is not None and result.get("error") and not (
+                    run.allow_errors or run.record.cells[i].may_raise):
+                # A failure stored by a run with allow_errors, now without: the run stops
+                # there, as running it again would.
+                failed.add(i)
+                done(i, status=CellStatus.FAILED, took_s=0.0, outputs=result["outputs"],
+                     error=result["error"], execution_count=result["execution_count"],
+                     execution=result.get("execution"))
+                continue
             if result is not None:
                 run.states[i] = (result["state"], result["provenance"], set(result["volatile"]))
                 run.previous = i
-                # A stored expected failure keeps its error (its outputs show it).
+                # A stored failure keeps its error (its outputs show it).
                 done(i, status=CellStatus.REUSED, took_s=0.0, outputs=result["outputs"],
                      execution_count=result["execution_count"], state_name=result["state"],
-                     error=result.get("error"), execution=result.get("execution"))
+                     error=result.get("error"), execution=result.get("execution"),
+                     reason=self._note(run, i, result))
                 continue
-            done(i, status=CellStatus.RUNNING)
+            run.ran.add(i)
+            done(i, status=CellStatus.RUNNING, reason=self._why(run, i))
             started = time.monotonic()
             after = following.get(i)
             # A cell that may fail (allow_errors, or tagged raises-exception) keeps what it
@@ -302,14 +319,15 @@ class NotebookRunner:
             run.previous = i
             expected = run.record.cells[i].may_raise
             files = self._rekey(run, i, answer)
-            if failure is None or expected:
-                # A failure allow_errors let pass is not a result: the next run tries
-                # the cell again (and so its dependents); an expected one is.
+            if failure is None or expected or not reasons.retried(failure):
+                # A failure allow_errors let pass is a result like any other (its error
+                # among its outputs, the state it left), unless it may come from outside
+                # its key: then the next run tries the cell again (and its dependents).
                 run.results[keys[i]] = _result(
                     keys[i], "cell", state, answer["provenance"], outputs=answer["output"],
                     execution_count=answer["execution_count"],
                     volatile=answer["volatile_symbols"] or [], took_s=took, error=failure,
-                    execution=answer.get("execution"), files=files)
+                    execution=answer.get("execution"), files=files, basis=self._basis(run, i))
             if failure is None and expected:
                 self._note_no_error(run, i)
             status = CellStatus.RAN if failure is None else (
@@ -317,6 +335,32 @@ class NotebookRunner:
             done(i, status=status, took_s=took, outputs=answer["output"], error=failure,
                  execution_count=answer["execution_count"], state_name=state,
                  execution=answer.get("execution"), key=keys[i])
+
+    def _basis(self, run, i):
+        """What cell i's key is made of now (reasons.basis)."""
+        needs = {n: None if p is None else run.keys[p] for n, p in run.graph.needs[i].items()}
+        return reasons.basis(run.sources[i], run.keyer.parts[i], needs)
+
+    def _why(self, run, i):
+        """The reason cell i runs (reasons.why)."""
+        before = run.before.get(run.graph.ids[i])
+        old = None
+        if before and before.get("key") and before["key"] != run.keys[i]:
+            old = self.store.results([before["key"]]).get(before["key"])
+        return reasons.why(i, run.graph, run.plan, run.rerun, run.ran, run.keys[i], before,
+                           old, self._basis(run, i), run.files.content)
+
+    def _note(self, run, i, result):
+        """The note of reused cell i when its code reads the clock or an unseeded
+        generator (reasons.note), also among the run's diagnostics; else None."""
+        found = reasons.note(run.analyses, i, result.get("created"))
+        if found is not None:
+            cell_id = run.graph.ids[i]
+            with self.lock:
+                run.record.diagnostics.append({
+                    "kind": found["kind"], "cells": [cell_id], "names": [],
+                    "message": f"cell {cell_id!r}: {found['message']}"})
+        return found
 
     def _reusable(self, run, i):
         """The stored result cell i may reuse, under its key as it is now (a cell that
@@ -548,15 +592,16 @@ class NotebookRunner:
 
 
 def _result(key, kind, state, provenance, outputs=(), execution_count=None, volatile=(),
-            took_s=None, error=None, execution=None, files=None):
+            took_s=None, error=None, execution=None, files=None, basis=None):
     """A stored result: what a cell with key `key` (or a composition) gave (`error`: the
-    error of a cell tagged raises-exception, which raised as expected; `execution`: the
-    cell's nbclient timings; `files`: the {"reads", "writes"} of the cell, {path: hash},
-    RunFiles.record)."""
+    error it raised, tagged raises-exception or let pass by allow_errors; `execution`:
+    the cell's nbclient timings; `files`: the {"reads", "writes"} of the cell, {path:
+    hash}, RunFiles.record; `basis`: what its key was made of, reasons.basis)."""
     return {"key": key, "kind": kind, "state": state, "outputs": list(outputs),
             "execution_count": execution_count, "volatile": list(volatile),
             "provenance": provenance, "took_s": took_s, "created": now(), "error": error,
-            "execution": execution, **(files or {"reads": {}, "writes": {}})}
+            "execution": execution, "basis": basis,
+            **(files or {"reads": {}, "writes": {}})}
 
 
 def _run_timeout(run):

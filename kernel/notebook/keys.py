@@ -113,7 +113,19 @@ def cell_parts(source, analysis, environment, folder=None):
     local = local_modules(analysis, folder)
     if local:
         parts["local_modules"] = local
+    if analysis.runs:  # `%run FILE`: the file, also when missing (its cell fails)
+        parts["run_files"] = {path: _file_digest(os.path.join(folder or "", path))
+                              for path in sorted(analysis.runs)}
     return parts
+
+
+def _file_digest(path):
+    """SHA-256 of a file's bytes, or "missing"."""
+    try:
+        with open(path, "rb") as f:
+            return hashlib.sha256(f.read()).hexdigest()
+    except OSError:
+        return "missing"
 
 
 def cell_key(parts, needs, input_keys):

@@ -94,6 +94,9 @@ class NotebookCell:
     # nbclient's record_timing keys ({"iopub.status.busy": ISO time, ...}) of the run that
     # made the cell's result (for a reused cell, the run that stored it).
     execution: dict | None = None
+    # Why the cell ran ({"kind", "message"}: incremental.REASONS), or, for a reused cell,
+    # what its stored result cannot know (it reads the clock, an unseeded generator).
+    reason: dict | None = None
     source: str = field(default="", repr=False)
     index: int = 0
     tags: tuple = ()
@@ -122,7 +125,7 @@ class NotebookCell:
 
 # The fields of a cell's JSON form.
 CELL_FIELDS = ("id", "key", "status", "took_s", "outputs", "error", "execution_count",
-               "state_name", "execution")
+               "state_name", "execution", "reason")
 
 
 @dataclass

@@ -93,6 +93,8 @@ class Plan:
     sequence: list       # positions in the order the run takes them
     run: set             # positions that run
     for_volatile: dict   # position -> the position whose run needs its volatile values
+    forced: set = dataclasses.field(default_factory=set)     # by `rerun` (and downstream)
+    refreshed: set = dataclasses.field(default_factory=set)  # for the files they write
 
 
 def plan(graph, keys, stored, rerun=(), refresh=()):
@@ -109,7 +111,8 @@ def plan(graph, keys, stored, rerun=(), refresh=()):
             continue
         if i in forced or keys[i] not in stored or graph.inputs[i] & run:
             run.add(i)
-    run |= set(refresh) - set(graph.blocked)
+    refreshed = set(refresh) - set(graph.blocked)
+    run |= refreshed
     for_volatile = {}
 
     def refresh(i):
@@ -136,7 +139,7 @@ def plan(graph, keys, stored, rerun=(), refresh=()):
             sequence.extend(chain)
             placed.update(chain)
         sequence.append(i)
-    return Plan(sequence, run | set(for_volatile), for_volatile)
+    return Plan(sequence, run | set(for_volatile), for_volatile, forced, refreshed)
 
 
 def _needed_by(p, i, for_volatile):
