@@ -13,6 +13,7 @@ import signal
 import pytest
 import requests
 
+from support.notebook import cell, run, statuses
 from support.server import in_thread, wait_for
 
 _ids = itertools.count()
@@ -21,23 +22,6 @@ _ids = itertools.count()
 def cells(tag, *sources):
     """[{id, source}] with ids c0, c1, ... and every source tagged (a comment line)."""
     return [{"id": f"c{n}", "source": f"{src}\n# {tag}"} for n, src in enumerate(sources)]
-
-
-def run(server, name, notebook_cells, status=200, **fields):
-    """POST /notebooks/run; the answer (asserting the HTTP status)."""
-    r = server.post("/notebooks/run", dict(notebook=name, cells=notebook_cells, **fields))
-    assert r.status_code == status, r.text
-    return r.json()
-
-
-def statuses(answer):
-    """{cell id: status} of a run's answer."""
-    return {c["id"]: c["status"] for c in answer["cells"]}
-
-
-def cell(answer, cell_id):
-    """One cell's entry of a run's answer."""
-    return next(c for c in answer["cells"] if c["id"] == cell_id)
 
 
 def shown(answer, cell_id):

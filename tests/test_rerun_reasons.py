@@ -13,10 +13,9 @@ import sys
 
 import pytest
 
-from conftest import ROOT, TOKEN
-from test_fidelity import run_in_jupyter
-from test_notebook_cli import code_cells, notebook, text
-from test_notebooks import cell, run, statuses
+from support.fidelity import run_in_jupyter
+from support.notebook import cell, code_cells, notebook, run, statuses, text
+from support.server import ROOT, TOKEN
 
 # Deliberate and accidental failures of everyday code, with cells after them that see
 # what the failing cells did before they raised.

@@ -70,3 +70,22 @@ def notebook(path, *sources):
     nb.cells += [nbformat.v4.new_code_cell(src, id=f"c{n}") for n, src in enumerate(sources)]
     nbformat.write(nb, str(path))
     return path
+
+
+# POST /notebooks/run through a test server, and reading its answer.
+
+def run(server, name, notebook_cells, status=200, **fields):
+    """POST /notebooks/run; the answer (asserting the HTTP status)."""
+    r = server.post("/notebooks/run", dict(notebook=name, cells=notebook_cells, **fields))
+    assert r.status_code == status, r.text
+    return r.json()
+
+
+def statuses(answer):
+    """{cell id: status} of a run's answer."""
+    return {c["id"]: c["status"] for c in answer["cells"]}
+
+
+def cell(answer, cell_id):
+    """One cell's entry of a run's answer."""
+    return next(c for c in answer["cells"] if c["id"] == cell_id)
