@@ -273,7 +273,8 @@ class FreshRun:
         if expected is not None and expected != self.interpreter["environment_sha256"]:
             raise Refused("ENVIRONMENT_MISMATCH",
                           f"the kernel's environment is {self.interpreter['environment_sha256']}, "
-                          f"not the expected {expected}")
+                          f"not the expected {expected}: run it in the expected "
+                          f"environment, or expect this one if the change is meant")
         self._check_cells()
         if self.adopt_orphans:
             from snapkernel.kernel.worker.process import PR_SET_CHILD_SUBREAPER, prctl

@@ -57,7 +57,9 @@ def _check_receipt_path(path, others):
 def _check_output_path(source, output):
     """Refused(BAD_INPUT) unless the executed notebook can be written at `output`."""
     if _same(source, output):
-        raise Refused("BAD_INPUT", "the output must differ from the source notebook")
+        raise Refused("BAD_INPUT", "the output must differ from the source notebook: "
+                                   "choose another -o (a fresh run never writes over the "
+                                   "notebook it runs)")
     _check_writable(output, "output")
 
 
