@@ -307,6 +307,12 @@ def run(args, out=print):
         # Read-only, from one read transaction: it cannot change a byte, so it needs no
         # lock, and a server writing meanwhile changes nothing of what it sees.
         store = Store(data_dir)
+        # A database opened after a read transaction began is not in it (EINVAL): open
+        # them all first (the main database's keys are their names).
+        with store.env.begin() as txn:
+            names = [bytes(key) for key in txn.cursor().iternext(values=False)]
+        for name in names:
+            store.env.open_db(name, create=False)
         store.env = Snapshot(store.env)
         try:
             return _collect(store, data_dir, args, out)

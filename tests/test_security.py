@@ -24,7 +24,7 @@ def test_every_route_but_health_needs_the_token(server):
         for method in operations:
             if path == "/health":
                 r = requests.request(method, url, timeout=60)
-                assert r.status_code == 200 and r.json() == {"status": "ok"}, r.text
+                assert r.status_code == 200 and r.json()["status"] == "ok", r.text
                 continue
             for params, headers in [({}, {}), ({"token": "wrong"}, {}),
                                     ({"token": server.token + "x"}, {}),
@@ -136,7 +136,7 @@ class TlsServer(Server):
             except requests.ConnectionError:  # not listening yet (or TLS not ready)
                 return None
 
-        assert wait_for(up, "the TLS server to answer /health", timeout) == {"status": "ok"}
+        assert wait_for(up, "the TLS server to answer /health", timeout)["status"] == "ok"
 
     def request(self, method, path, **kw):
         """An authenticated request that trusts the test certificate."""
@@ -250,7 +250,7 @@ def test_half_sent_requests_hold_a_thread_only_for_socket_timeout_s(make_server)
                                          b"\r\nContent-Type: text/plain\r\n\r\n")
         for sock in bodies:
             assert read_to_end(sock) == b""
-        assert requests.get(srv.url + "/health", timeout=60).json() == {"status": "ok"}
+        assert requests.get(srv.url + "/health", timeout=60).json()["status"] == "ok"
         # Only that execute made a state: none of the half-sent ones ran.
         assert sorted(srv.get("/states").json()["states"]) == sorted(["initial", "slow", made])
     finally:
