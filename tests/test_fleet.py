@@ -170,6 +170,8 @@ def test_plainbook_through_haproxy_without_a_key_of_ours(fleet):
     """Plainbook's requests (plainbook 0.6.3's _sk_request: the token in the query, no
     affinity header, a state name per cell, a uuid4 exec_id per run): served, chained and
     kept on one server by the token."""
+    fleet.wait_routed()  # the test before restarts every server
+
     def sk(method, path, body=None):
         r = requests.request(method, fleet.url + path, params={"token": TOKEN}, json=body,
                              timeout=300)

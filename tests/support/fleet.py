@@ -73,6 +73,22 @@ class Fleet:
                 return False
         wait_for(back, f"{name} to be started again", 120)
 
+    def wait_routed(self):
+        """Wait until HAProxy sends requests to every server again: a server back on its
+        port is routed to only after its health checks (rise 2, inter 1 s), and a
+        session's requests meanwhile go to another one."""
+        def routed():
+            seen = set()
+            for n in range(40):  # 40 keys hash to each of 3 servers but for 3e-7
+                client = self.client(affinity=f"probe-{n}")
+                try:
+                    client.call("GET", "/health", timeout=5)
+                except Exception:
+                    return False
+                seen.add(client.server)
+            return seen == set(self.ports)
+        wait_for(routed, "HAProxy to route to every server", 120)
+
     def stop(self):
         """SIGTERM; it stops everything."""
         self.proc.send_signal(signal.SIGTERM)
