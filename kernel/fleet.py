@@ -72,17 +72,8 @@ class Member:
 
     def wait_up(self):
         """Wait until it answers /health; FleetError if it exits or never does."""
-        deadline = time.monotonic() + _START_S
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise FleetError(f"{self.name} exited with status {self.proc.returncode} "
-                                 f"on starting: see {self.log_path}")
-            try:
-                with _OPENER.open(f"http://127.0.0.1:{self.port}/health", timeout=2):
-                    return
-            except OSError:
-                time.sleep(0.1)
-        raise FleetError(f"{self.name} did not answer in {_START_S} s: see {self.log_path}")
+        _wait_health(self.proc, f"http://127.0.0.1:{self.port}/health", self.name,
+                     f": see {self.log_path}")
 
     def say(self, what="up"):
         """The line that tells where it is."""
@@ -159,17 +150,23 @@ def run(args):
 
 def _wait_proxy(proxy, host, port):
     """Wait until HAProxy answers /health through to a server; FleetError if it exits."""
-    deadline = time.monotonic() + _START_S
     address = "127.0.0.1" if host in ("0.0.0.0", "") else host.strip("[]")
+    _wait_health(proxy, f"http://{address}:{port}/health", "HAProxy")
+
+
+def _wait_health(proc, url, name, see=""):
+    """Wait until `url` answers; FleetError naming `name` if `proc` exits first or
+    _START_S passes (`see`: where to read why)."""
+    deadline = time.monotonic() + _START_S
     while time.monotonic() < deadline:
-        if proxy.poll() is not None:
-            raise FleetError(f"HAProxy exited with status {proxy.returncode} on starting")
+        if proc.poll() is not None:
+            raise FleetError(f"{name} exited with status {proc.returncode} on starting{see}")
         try:
-            with _OPENER.open(f"http://{address}:{port}/health", timeout=2):
+            with _OPENER.open(url, timeout=2):
                 return
         except OSError:
             time.sleep(0.1)
-    raise FleetError(f"HAProxy did not answer in {_START_S} s")
+    raise FleetError(f"{name} did not answer in {_START_S} s{see}")
 
 
 def _look_after(member, stopping):
